@@ -1,0 +1,173 @@
+//! The ledger's invariants, stated in code (SEMANTICS.md): the tests call
+//! these after every step of every generated history.
+
+use std::collections::HashMap;
+
+use crate::reservation::{ReservationId, Status};
+use crate::shard::{NO_SLOT, ShardState};
+use crate::units::{Amounts, Dimension};
+
+fn add(a: &mut Amounts, b: &Amounts) {
+    for (d, v) in b.iter() {
+        let s = a.get(d).saturating_add(v);
+        a.set(d, s);
+    }
+}
+
+/// Checks one shard. `Err` describes the first broken invariant.
+pub(crate) fn check_shard(shard: usize, st: &ShardState) -> Result<(), String> {
+    let fail = |what: String| Err(format!("shard {shard}: {what}"));
+    let mut per_scope: HashMap<&str, (u32, Amounts)> = HashMap::new();
+    let mut live = 0usize;
+    for (slot, hold) in st.holds.iter().enumerate() {
+        let Some(hold) = hold else { continue };
+        live += 1;
+        if hold.expires_ms <= st.now_ms {
+            return fail(format!(
+                "hold {slot} of {} expired at {} but is still held at {}",
+                hold.owner, hold.expires_ms, st.now_ms
+            ));
+        }
+        let e = st.expiry.entries().get(hold.heap_pos as usize);
+        if e.map(|e| (e.slot, e.due_ms)) != Some((slot as u32, hold.expires_ms)) {
+            return fail(format!("hold {slot}: expiry heap position is wrong"));
+        }
+        for (i, key) in hold.local_scopes() {
+            let Some(sc) = st.scopes.get(key.as_str()) else {
+                return fail(format!("hold {slot} holds on {key}, which does not exist"));
+            };
+            let pos = hold.holder_pos[i] as usize;
+            let entry = sc
+                .extra
+                .as_ref()
+                .and_then(|x| x.holders.entries().get(pos).copied());
+            if entry.map(|e| (e.slot, e.tag, e.due_ms))
+                != Some((slot as u32, i as u8, hold.expires_ms))
+            {
+                return fail(format!("hold {slot}: position in {key}'s holders is wrong"));
+            }
+            let e = per_scope.entry(key.as_str()).or_default();
+            e.0 += 1;
+            add(&mut e.1, &hold.amounts);
+        }
+        if hold.foreign {
+            if st.foreign.get(&hold.owner) != Some(&(slot as u32)) {
+                return fail(format!(
+                    "foreign hold {slot} of {} is not indexed",
+                    hold.owner
+                ));
+            }
+        } else {
+            let Some(rec) = st.records.get(&hold.owner) else {
+                return fail(format!("hold {slot} belongs to unknown {}", hold.owner));
+            };
+            if rec.res.status != Status::Held || rec.hold_slot != slot as u32 {
+                return fail(format!(
+                    "hold {slot}: {} is {} with slot {}",
+                    hold.owner, rec.res.status, rec.hold_slot
+                ));
+            }
+            if rec.res.held != hold.amounts || rec.res.expires_at.as_millis() != hold.expires_ms {
+                return fail(format!(
+                    "hold {slot}: amounts or expiry differ from {}",
+                    hold.owner
+                ));
+            }
+        }
+    }
+    if live != st.expiry.len() || live + st.free_slots.len() != st.holds.len() {
+        return fail(format!(
+            "{live} live holds, {} in the expiry heap, {} free of {}",
+            st.expiry.len(),
+            st.free_slots.len(),
+            st.holds.len()
+        ));
+    }
+    if st.foreign.len() != st.holds.iter().flatten().filter(|h| h.foreign).count() {
+        return fail("the foreign index counts holds that do not exist".into());
+    }
+    for (key, sc) in &st.scopes {
+        let (count, amounts) = per_scope.remove(key.as_str()).unwrap_or_default();
+        // held equals the sum over its HELD reservations of their held amounts.
+        if sc.held_count != count {
+            return fail(format!(
+                "{key}: held_count {} but {count} holds",
+                sc.held_count
+            ));
+        }
+        let held = sc
+            .extra
+            .as_ref()
+            .map(|e| e.held.clone())
+            .unwrap_or_default();
+        if held != amounts {
+            return fail(format!(
+                "{key}: held {held:?} but its holds sum to {amounts:?}"
+            ));
+        }
+        let holders = sc.extra.as_ref().map_or(0, |e| e.holders.len());
+        if holders != count as usize {
+            return fail(format!("{key}: {holders} holder entries for {count} holds"));
+        }
+        if held.get(Dimension::REQUESTS) != 0 {
+            return fail(format!("{key}: implied dimensions are never stored"));
+        }
+    }
+    for (id, rec) in &st.records {
+        let held = rec.res.status == Status::Held;
+        if held != (rec.hold_slot != NO_SLOT) {
+            return fail(format!(
+                "{id} is {} with hold slot {}",
+                rec.res.status, rec.hold_slot
+            ));
+        }
+        if held == rec.res.ended_at.is_some() {
+            return fail(format!(
+                "{id} is {} but ended_at is {:?}",
+                rec.res.status, rec.res.ended_at
+            ));
+        }
+        if (rec.res.status == Status::Settled) != rec.res.charged.is_some() {
+            return fail(format!("{id}: charged is set iff settled"));
+        }
+    }
+    for (k, id) in &st.idempotency {
+        if !st.records.contains_key(id) {
+            return fail(format!("idempotency key {k:?} points at forgotten {id}"));
+        }
+    }
+    Ok(())
+}
+
+/// Cross-shard: every HELD reservation with scopes elsewhere has a foreign
+/// hold there with the same amounts and expiry, and every foreign hold
+/// belongs to a HELD reservation. Shards must have observed the same instant.
+pub(crate) fn check_foreign(
+    shards: &[&ShardState],
+    home_of: impl Fn(ReservationId) -> usize,
+) -> Result<(), String> {
+    for (i, st) in shards.iter().enumerate() {
+        for hold in st.holds.iter().flatten().filter(|h| h.foreign) {
+            let home = home_of(hold.owner);
+            let Some(rec) = shards[home].records.get(&hold.owner) else {
+                return Err(format!(
+                    "foreign hold in shard {i} of unknown {}",
+                    hold.owner
+                ));
+            };
+            if rec.res.status != Status::Held || !rec.multi_shard {
+                return Err(format!(
+                    "foreign hold in shard {i} of {} which is {}",
+                    hold.owner, rec.res.status
+                ));
+            }
+            if rec.res.held != hold.amounts || rec.res.expires_at.as_millis() != hold.expires_ms {
+                return Err(format!(
+                    "foreign hold in shard {i} differs from {}",
+                    hold.owner
+                ));
+            }
+        }
+    }
+    Ok(())
+}

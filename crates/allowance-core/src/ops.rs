@@ -1,0 +1,871 @@
+//! The transitions, written once over the set of shards an operation locked.
+//!
+//! Each reads top to bottom: observe the time (expiring what is due), find
+//! every rejection in a fixed order, then — past the point where nothing can
+//! fail — one block of mutation. That is what makes "a refusal changes
+//! nothing" true by construction.
+
+use smallvec::SmallVec;
+
+use crate::catalog::{Catalog, MAX_IDEMPOTENCY_KEY_LEN, MAX_LABEL_KEY_LEN, MAX_LABEL_VALUE_LEN};
+use crate::error::{
+    AdminError, Denial, DenialKind, ExtendError, Invalid, RefundError, ReserveError, SettleError,
+};
+use crate::limit::{Window, WindowKind};
+use crate::reservation::{
+    Granted, LimitStatus, Remaining, Reservation, ReservationId, ReserveRequest, ScopeStatus,
+    Status, Usage,
+};
+use crate::scope::{ScopeKey, ScopeSet};
+use crate::shard::{
+    GC_PER_OPERATION, Hold, NO_SLOT, Record, ScopeState, ShardState, idempotency_key,
+};
+use crate::units::{Amounts, Dimension, MAX_AMOUNT, Timestamp};
+
+/// Most charges in one settle.
+pub const MAX_CHARGES: usize = 64;
+
+/// Which shard owns what. A single-shard ledger routes everything to 0.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Router {
+    mask: usize,
+}
+
+impl Router {
+    /// A router over `n` shards (a power of two, at most 256).
+    pub(crate) fn new(n: usize) -> Self {
+        debug_assert!(n.is_power_of_two() && n <= 256);
+        Router { mask: n - 1 }
+    }
+
+    pub(crate) fn of_tenant(&self, tenant: &str) -> usize {
+        usize::from(ReservationId::tenant_tag(tenant)) & self.mask
+    }
+
+    pub(crate) fn of_scope(&self, key: &ScopeKey) -> usize {
+        if self.mask == 0 {
+            return 0;
+        }
+        match key.tenant_name() {
+            Some(t) => self.of_tenant(t),
+            // Shared scopes spread over the shards by their own name.
+            None => usize::from(ReservationId::tenant_tag(key.as_str())) & self.mask,
+        }
+    }
+
+    pub(crate) fn of_id(&self, id: ReservationId) -> usize {
+        usize::from(id.tag()) & self.mask
+    }
+
+    /// The shards a scope set touches, ascending (the lock order).
+    pub(crate) fn shards_of(&self, scopes: &ScopeSet) -> SmallVec<[usize; 4]> {
+        let mut v: SmallVec<[usize; 4]> =
+            scopes.as_slice().iter().map(|k| self.of_scope(k)).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+}
+
+/// The shards one operation holds, and which of them is the tenant's home.
+pub(crate) struct Locked<'a> {
+    pub(crate) catalog: &'a Catalog,
+    pub(crate) parts: SmallVec<[(usize, &'a mut ShardState); 4]>,
+    pub(crate) home: usize,
+    pub(crate) router: Router,
+}
+
+/// The binding limit so far, while checking.
+#[derive(Clone, Copy)]
+struct Candidate {
+    kind: DenialKind,
+    retry_after_ms: Option<u64>,
+    scope: usize,
+    limit: usize,
+    capacity: u64,
+    remaining: i64,
+    requested: u64,
+    resets_at: Option<u64>,
+}
+
+impl Candidate {
+    /// Whether `self` should be reported rather than `other` (found earlier).
+    fn beats(&self, other: &Candidate) -> bool {
+        if self.kind.rank() != other.kind.rank() {
+            return self.kind.rank() > other.kind.rank();
+        }
+        // Among rate_limited, the latest retry binds (a retry must pass them all);
+        // ties keep the earlier scope and limit.
+        self.kind == DenialKind::RateLimited && self.retry_after_ms > other.retry_after_ms
+    }
+}
+
+fn sat_i64(v: i128) -> i64 {
+    v.clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64
+}
+
+/// Checks every limit of one scope against `requested(dim)`, keeping the
+/// binding denial in `best`. With `only_positive`, limits asked for nothing
+/// are skipped (an extend raising one dimension is not refused by another).
+fn check_scope(
+    st: &mut ScopeState,
+    scope: usize,
+    now: u64,
+    requested: &impl Fn(Dimension) -> u64,
+    only_positive: bool,
+    best: &mut Option<Candidate>,
+) {
+    for li in 0..st.plan.limits().len() {
+        let (dim, cap, kind) = {
+            let l = &st.plan.limits()[li];
+            (l.dimension(), l.capacity(), l.window().kind())
+        };
+        let req = requested(dim);
+        if only_positive && req == 0 {
+            continue;
+        }
+        let held = st.held(dim);
+        let earliest = st.earliest_expiry();
+        let mut s = st.state(li);
+        let used = s.used();
+        let room = i128::from(cap) - i128::from(used) - i128::from(held);
+        if i128::from(req) <= room {
+            continue;
+        }
+        let (kind_of, retry) = if req > cap {
+            (DenialKind::ExceedsLimit, None)
+        } else if held <= cap && req <= cap - held {
+            // Would fit were the holds gone: usage must leave the window.
+            let target = cap - held - req;
+            match s.ms_until_used_at_most(now, target) {
+                Some(ms) => (DenialKind::RateLimited, Some(ms.max(1))),
+                None => (DenialKind::BudgetExhausted, None),
+            }
+        } else {
+            // Holds alone block: the earliest of the scope's holds to expire.
+            let ms = earliest.map_or(1, |e| e.saturating_sub(now));
+            (DenialKind::RateLimited, Some(ms.max(1)))
+        };
+        let resets_at = if kind == WindowKind::Concurrent {
+            earliest
+        } else {
+            s.resets_at(now)
+        };
+        let c = Candidate {
+            kind: kind_of,
+            retry_after_ms: retry,
+            scope,
+            limit: li,
+            capacity: cap,
+            remaining: sat_i64(room),
+            requested: req,
+            resets_at,
+        };
+        if best.as_ref().is_none_or(|b| c.beats(b)) {
+            *best = Some(c);
+        }
+    }
+}
+
+/// Every limit's room on one scope, for a grant's `remaining` list.
+fn report_scope(
+    catalog: &Catalog,
+    key: &ScopeKey,
+    st: &mut ScopeState,
+    now: u64,
+    out: &mut Vec<Remaining>,
+) {
+    for l in limit_statuses(catalog, st, now) {
+        out.push(Remaining {
+            scope: key.clone(),
+            dimension: l.dimension,
+            window: l.window.kind(),
+            capacity: l.capacity,
+            remaining: l.remaining,
+            resets_at: l.resets_at,
+        });
+    }
+}
+
+pub(crate) fn limit_statuses(catalog: &Catalog, st: &mut ScopeState, now: u64) -> Vec<LimitStatus> {
+    let earliest = st.earliest_expiry();
+    (0..st.plan.limits().len())
+        .map(|li| {
+            let limit = st.plan.limits()[li].clone();
+            let held = st.held(limit.dimension());
+            let mut s = st.state(li);
+            let used = s.used();
+            let resets_at = match limit.window() {
+                Window::Concurrent => earliest,
+                _ => s.resets_at(now),
+            };
+            LimitStatus {
+                dimension: catalog.dimension_name(limit.dimension()).to_string(),
+                capacity: limit.capacity(),
+                used,
+                held,
+                remaining: sat_i64(
+                    i128::from(limit.capacity()) - i128::from(used) - i128::from(held),
+                ),
+                resets_at: resets_at.map(Timestamp::from_millis),
+                window: limit.window().clone(),
+            }
+        })
+        .collect()
+}
+
+fn dim_field(catalog: &Catalog, prefix: &str, dim: Dimension) -> String {
+    format!("{prefix}.{}", catalog.dimension_name(dim))
+}
+
+/// `tokens` (input + output) and `cost_micros` (from the model's prices)
+/// where the amounts do not give them.
+fn derive(
+    catalog: &Catalog,
+    amounts: &Amounts,
+    model: Option<&str>,
+    cached_input: u64,
+) -> (Amounts, bool) {
+    let mut a = amounts.clone();
+    let (input, output) = (
+        a.get(Dimension::INPUT_TOKENS),
+        a.get(Dimension::OUTPUT_TOKENS),
+    );
+    if !a.contains(Dimension::TOKENS) {
+        a.set(Dimension::TOKENS, input.saturating_add(output));
+    }
+    let mut unpriced = false;
+    if !a.contains(Dimension::COST_MICROS) {
+        if let Some(m) = model {
+            match catalog.model(m) {
+                Some(price) => a.set(
+                    Dimension::COST_MICROS,
+                    price.cost_micros(input, cached_input, output),
+                ),
+                None => unpriced = true,
+            }
+        }
+    }
+    (a, unpriced)
+}
+
+fn check_amounts(catalog: &Catalog, amounts: &Amounts, prefix: &str) -> Result<(), Invalid> {
+    if let Some((d, a)) = amounts.first_too_large() {
+        return Err(Invalid::new(
+            dim_field(catalog, prefix, d),
+            format!("{a} is above the largest amount, 2^53"),
+        ));
+    }
+    for (d, _) in amounts.iter() {
+        if d.index() >= usize::from(Dimension::BUILTIN_COUNT)
+            && catalog.dimension_name(d) == "unknown"
+        {
+            return Err(Invalid::new(
+                prefix,
+                format!("unknown dimension #{}", d.index()),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn add_into(a: &mut Amounts, b: &Amounts) {
+    for (d, v) in b.iter() {
+        let s = a.get(d).saturating_add(v);
+        a.set(d, s);
+    }
+}
+
+impl<'a> Locked<'a> {
+    fn part(&mut self, shard: usize) -> &mut ShardState {
+        let i = self
+            .parts
+            .iter()
+            .position(|(s, _)| *s == shard)
+            .expect("the operation locked every shard it touches");
+        &mut *self.parts[i].1
+    }
+
+    fn home(&mut self) -> &mut ShardState {
+        let h = self.home;
+        self.part(h)
+    }
+
+    /// Observes `now` on every locked shard; returns the instant used (no
+    /// earlier than any of them saw).
+    pub(crate) fn observe(&mut self, now: Timestamp) -> u64 {
+        let now = self
+            .parts
+            .iter()
+            .map(|(_, s)| s.now_ms)
+            .fold(now.as_millis(), u64::max);
+        let catalog = self.catalog;
+        for (_, s) in self.parts.iter_mut() {
+            s.observe(catalog, now, GC_PER_OPERATION);
+        }
+        now
+    }
+
+    fn denial(
+        &self,
+        scopes: &ScopeSet,
+        c: Candidate,
+        st_plan_limit: (Dimension, Window),
+    ) -> Box<Denial> {
+        Box::new(Denial {
+            kind: c.kind,
+            scope: scopes.as_slice()[c.scope].clone(),
+            dimension: self.catalog.dimension_name(st_plan_limit.0).to_string(),
+            window: st_plan_limit.1.kind(),
+            capacity: c.capacity,
+            remaining: c.remaining,
+            requested: c.requested,
+            retry_after_ms: c.retry_after_ms,
+            resets_at: c.resets_at.map(Timestamp::from_millis),
+        })
+    }
+
+    /// Checks `requested` against every scope; the binding denial if any.
+    fn check(
+        &mut self,
+        scopes: &ScopeSet,
+        now: u64,
+        requested: &impl Fn(Dimension) -> u64,
+        only_positive: bool,
+    ) -> Option<Box<Denial>> {
+        let catalog = self.catalog;
+        let router = self.router;
+        let mut best: Option<Candidate> = None;
+        for (i, key) in scopes.as_slice().iter().enumerate() {
+            let st = self.part(router.of_scope(key)).scope_mut(catalog, key, now);
+            check_scope(st, i, now, requested, only_positive, &mut best);
+        }
+        let c = best?;
+        let key = &scopes.as_slice()[c.scope];
+        let st = self.part(router.of_scope(key)).scope_mut(catalog, key, now);
+        let l = &st.plan.limits()[c.limit];
+        let what = (l.dimension(), l.window().clone());
+        Some(self.denial(scopes, c, what))
+    }
+
+    fn remaining(&mut self, scopes: &ScopeSet, now: u64) -> Vec<Remaining> {
+        let catalog = self.catalog;
+        let router = self.router;
+        let mut out = Vec::new();
+        for key in scopes.as_slice() {
+            let st = self.part(router.of_scope(key)).scope_mut(catalog, key, now);
+            report_scope(catalog, key, st, now, &mut out);
+        }
+        out
+    }
+
+    pub(crate) fn reserve(
+        &mut self,
+        now: Timestamp,
+        id: ReservationId,
+        req: &ReserveRequest,
+    ) -> Result<Granted, ReserveError> {
+        let now = self.observe(now);
+        let catalog = self.catalog;
+        let settings = catalog.settings();
+
+        // 1. The request itself.
+        if req.scopes.len() > settings.max_scopes {
+            return Err(Invalid::new(
+                "scopes",
+                format!(
+                    "at most {} scopes per reservation, the tenant included",
+                    settings.max_scopes
+                ),
+            )
+            .into());
+        }
+        check_amounts(catalog, &req.amounts, "amounts")?;
+        let ttl_ms = req.ttl_ms.unwrap_or(settings.default_ttl_ms);
+        if ttl_ms == 0 || ttl_ms > settings.max_ttl_ms {
+            return Err(Invalid::new(
+                "ttl_ms",
+                format!("must be between 1 and {} ms", settings.max_ttl_ms),
+            )
+            .into());
+        }
+        if let Some(key) = &req.idempotency_key {
+            if req.dry_run {
+                return Err(
+                    Invalid::new("idempotency_key", "a dry run takes no idempotency key").into(),
+                );
+            }
+            if key.is_empty() || key.len() > MAX_IDEMPOTENCY_KEY_LEN {
+                return Err(Invalid::new(
+                    "idempotency_key",
+                    format!("must have 1 to {MAX_IDEMPOTENCY_KEY_LEN} characters"),
+                )
+                .into());
+            }
+        }
+        if let Some(labels) = &req.labels {
+            if labels.len() > settings.max_labels {
+                return Err(Invalid::new(
+                    "labels",
+                    format!("at most {} labels", settings.max_labels),
+                )
+                .into());
+            }
+            for (k, v) in labels.iter() {
+                if k.is_empty() || k.len() > MAX_LABEL_KEY_LEN || v.len() > MAX_LABEL_VALUE_LEN {
+                    return Err(Invalid::new(format!("labels.{k}"), format!("label keys have 1 to {MAX_LABEL_KEY_LEN} bytes, values at most {MAX_LABEL_VALUE_LEN}")).into());
+                }
+            }
+        }
+        let (held, unpriced) = derive(catalog, &req.amounts, req.model.as_deref(), 0);
+        if unpriced {
+            let limits_cost = req
+                .scopes
+                .as_slice()
+                .iter()
+                .any(|k| catalog.plan_for(k).limits_dimension(Dimension::COST_MICROS));
+            if limits_cost {
+                return Err(Invalid::new("model", format!(
+                    "model {:?} has no price, and a scope limits cost_micros: give cost_micros or price the model",
+                    req.model.as_deref().unwrap_or("")
+                )).into());
+            }
+        }
+        let tenant = req.scopes.tenant_name();
+
+        // 2. Idempotency: a repeat answers the existing reservation.
+        let idem = req
+            .idempotency_key
+            .as_ref()
+            .map(|k| idempotency_key(tenant, k));
+        if let Some(k) = &idem {
+            let home = self.home();
+            if let Some(rec) = home
+                .idempotency
+                .get(k)
+                .and_then(|rid| home.records.get(rid))
+            {
+                let key_expired = rec.res.ended_at.is_some_and(|e| {
+                    now >= e
+                        .as_millis()
+                        .saturating_add(settings.idempotency_retention_ms)
+                });
+                if !key_expired {
+                    let same = rec.res.scopes.same_scopes(&req.scopes)
+                        && rec.sent == req.amounts
+                        && rec.res.model == req.model;
+                    if !same {
+                        return Err(ReserveError::IdempotencyConflict {
+                            key: req.idempotency_key.as_deref().unwrap_or("").to_string(),
+                        });
+                    }
+                    return Ok(Granted {
+                        id: rec.res.id,
+                        status: rec.res.status,
+                        replayed: true,
+                        dry_run: false,
+                        held: rec.res.held.clone(),
+                        expires_at: rec.res.expires_at,
+                        remaining: Vec::new(),
+                    });
+                }
+            }
+        }
+        if self.home().records.contains_key(&id) {
+            return Err(ReserveError::DuplicateId);
+        }
+
+        // 3. Every limit of every scope.
+        let requested = |d: Dimension| if d.is_implied() { 1 } else { held.get(d) };
+        if let Some(denial) = self.check(&req.scopes, now, &requested, false) {
+            return Err(ReserveError::Denied(denial));
+        }
+        let expires_ms = now.saturating_add(ttl_ms);
+        if req.dry_run {
+            return Ok(Granted {
+                id,
+                status: Status::Held,
+                replayed: false,
+                dry_run: true,
+                held,
+                expires_at: Timestamp::from_millis(expires_ms),
+                remaining: self.remaining(&req.scopes, now),
+            });
+        }
+
+        // 4. Nothing can fail past this point.
+        let router = self.router;
+        let overrun = catalog.plan_for(req.scopes.tenant()).overrun();
+        let home_shard = self.parts[self.home].0;
+        let mut home_slot = NO_SLOT;
+        let mut multi_shard = false;
+        for pi in 0..self.parts.len() {
+            let shard = self.parts[pi].0;
+            let mut local = 0u32;
+            for (i, k) in req.scopes.as_slice().iter().enumerate() {
+                if router.of_scope(k) == shard {
+                    local |= 1 << i;
+                }
+            }
+            if local == 0 {
+                continue;
+            }
+            let foreign = shard != home_shard;
+            multi_shard |= foreign;
+            let part = &mut *self.parts[pi].1;
+            let slot = part.add_hold(Hold {
+                owner: id,
+                foreign,
+                scopes: req.scopes.clone(),
+                local,
+                amounts: held.clone(),
+                expires_ms,
+                heap_pos: NO_SLOT,
+                holder_pos: SmallVec::new(),
+            });
+            if foreign {
+                part.foreign.insert(id, slot);
+            } else {
+                home_slot = slot;
+            }
+        }
+        let remaining = if req.report_remaining {
+            self.remaining(&req.scopes, now)
+        } else {
+            Vec::new()
+        };
+        let res = Reservation {
+            id,
+            status: Status::Held,
+            scopes: req.scopes.clone(),
+            model: req.model.clone(),
+            labels: req.labels.clone(),
+            held: held.clone(),
+            created_at: Timestamp::from_millis(now),
+            expires_at: Timestamp::from_millis(expires_ms),
+            ended_at: None,
+            charged: None,
+            late: false,
+            overrun,
+            idempotency_key: req.idempotency_key.clone(),
+        };
+        let home = self.home();
+        home.records.insert(
+            id,
+            Record {
+                res,
+                sent: req.amounts.clone(),
+                hold_slot: home_slot,
+                multi_shard,
+                drop_at: 0,
+            },
+        );
+        if let Some(k) = idem {
+            home.idempotency.insert(k, id);
+        }
+        Ok(Granted {
+            id,
+            status: Status::Held,
+            replayed: false,
+            dry_run: false,
+            held,
+            expires_at: Timestamp::from_millis(expires_ms),
+            remaining,
+        })
+    }
+
+    /// Releases every hold of a HELD reservation, in every locked shard.
+    fn release_all(&mut self, id: ReservationId, now: u64) {
+        let home = self.home;
+        for pi in 0..self.parts.len() {
+            let part = &mut *self.parts[pi].1;
+            if pi == home {
+                let Some(rec) = part.records.get_mut(&id) else {
+                    continue;
+                };
+                let slot = std::mem::replace(&mut rec.hold_slot, NO_SLOT);
+                if slot != NO_SLOT {
+                    part.release_hold(slot, now);
+                }
+            } else if let Some(slot) = part.foreign.remove(&id) {
+                part.release_hold(slot, now);
+            }
+        }
+    }
+
+    pub(crate) fn settle(
+        &mut self,
+        now: Timestamp,
+        id: ReservationId,
+        usage: &Usage,
+    ) -> Result<&Reservation, SettleError> {
+        let now = self.observe(now);
+        let catalog = self.catalog;
+        let (status, held, model, overrun, scopes) = {
+            let rec = self.home().records.get(&id).ok_or(SettleError::NotFound)?;
+            (
+                rec.res.status,
+                rec.res.held.clone(),
+                rec.res.model.clone(),
+                rec.res.overrun,
+                rec.res.scopes.clone(),
+            )
+        };
+        match status {
+            Status::Settled => return Ok(&self.home().records[&id].res),
+            Status::Refunded => return Err(SettleError::Conflict { status }),
+            Status::Held | Status::Expired => {}
+        }
+
+        // 1. The usage.
+        check_amounts(catalog, &usage.amounts, "usage")?;
+        if usage.cached_input_tokens > MAX_AMOUNT {
+            return Err(Invalid::new(
+                "usage.cached_input_tokens",
+                "above the largest amount, 2^53",
+            )
+            .into());
+        }
+        if usage.charges.len() > MAX_CHARGES {
+            return Err(Invalid::new("charges", format!("at most {MAX_CHARGES} charges")).into());
+        }
+        for (i, c) in usage.charges.iter().enumerate() {
+            if c.name.is_empty() || c.name.len() > 64 {
+                return Err(Invalid::new(
+                    format!("charges[{i}].name"),
+                    "a charge name has 1 to 64 characters",
+                )
+                .into());
+            }
+            if c.cost_micros > MAX_AMOUNT {
+                return Err(Invalid::new(
+                    format!("charges[{i}].cost_micros"),
+                    "above the largest amount, 2^53",
+                )
+                .into());
+            }
+            check_amounts(catalog, &c.amounts, &format!("charges[{i}].amounts"))?;
+        }
+
+        // 2. What to record: the policy per dimension, tokens derived again,
+        //    then tool charges, never capped.
+        let (actual, _) = derive(
+            catalog,
+            &usage.amounts,
+            model.as_deref(),
+            usage.cached_input_tokens,
+        );
+        let mut charged: Amounts = actual
+            .iter()
+            .map(|(d, a)| (d, overrun.charge(held.get(d), a)))
+            .collect();
+        if !usage.amounts.contains(Dimension::TOKENS) {
+            let t = charged
+                .get(Dimension::INPUT_TOKENS)
+                .saturating_add(charged.get(Dimension::OUTPUT_TOKENS));
+            charged.set(Dimension::TOKENS, t);
+        }
+        for c in &usage.charges {
+            let cost = charged
+                .get(Dimension::COST_MICROS)
+                .saturating_add(c.cost_micros);
+            charged.set(Dimension::COST_MICROS, cost);
+            add_into(&mut charged, &c.amounts);
+        }
+
+        // 3. Nothing can fail past this point.
+        if status == Status::Held {
+            self.release_all(id, now);
+        }
+        let router = self.router;
+        for key in scopes.as_slice() {
+            let st = self.part(router.of_scope(key)).scope_mut(catalog, key, now);
+            for li in 0..st.plan.limits().len() {
+                let dim = st.plan.limits()[li].dimension();
+                let amount = match dim {
+                    Dimension::REQUESTS => 1,
+                    Dimension::CONCURRENT => 0,
+                    d => charged.get(d),
+                };
+                if amount > 0 {
+                    st.record(li, now, amount);
+                }
+            }
+        }
+        let home = self.home();
+        let rec = home.records.get_mut(&id).expect("looked up above");
+        rec.res.status = Status::Settled;
+        rec.res.late = status == Status::Expired;
+        rec.res.ended_at = Some(Timestamp::from_millis(now));
+        rec.res.charged = Some(charged);
+        home.schedule_drop(catalog, id, now);
+        Ok(&self.home().records[&id].res)
+    }
+
+    pub(crate) fn refund(
+        &mut self,
+        now: Timestamp,
+        id: ReservationId,
+    ) -> Result<&Reservation, RefundError> {
+        let now = self.observe(now);
+        let status = self
+            .home()
+            .records
+            .get(&id)
+            .ok_or(RefundError::NotFound)?
+            .res
+            .status;
+        match status {
+            Status::Settled => return Err(RefundError::Conflict { status }),
+            Status::Refunded | Status::Expired => {}
+            Status::Held => {
+                self.release_all(id, now);
+                let catalog = self.catalog;
+                let home = self.home();
+                let rec = home.records.get_mut(&id).expect("looked up above");
+                rec.res.status = Status::Refunded;
+                rec.res.ended_at = Some(Timestamp::from_millis(now));
+                home.schedule_drop(catalog, id, now);
+            }
+        }
+        Ok(&self.home().records[&id].res)
+    }
+
+    pub(crate) fn extend(
+        &mut self,
+        now: Timestamp,
+        id: ReservationId,
+        amounts: Option<&Amounts>,
+        ttl_ms: Option<u64>,
+    ) -> Result<&Reservation, ExtendError> {
+        let now = self.observe(now);
+        let catalog = self.catalog;
+        let settings = catalog.settings();
+        if amounts.is_none() && ttl_ms.is_none() {
+            return Err(Invalid::new("amounts", "extend needs amounts, ttl_ms or both").into());
+        }
+        if let Some(t) = ttl_ms {
+            if t == 0 || t > settings.max_ttl_ms {
+                return Err(Invalid::new(
+                    "ttl_ms",
+                    format!("must be between 1 and {} ms", settings.max_ttl_ms),
+                )
+                .into());
+            }
+        }
+        if let Some(a) = amounts {
+            check_amounts(catalog, a, "amounts")?;
+        }
+        let (status, model, scopes) = {
+            let rec = self.home().records.get(&id).ok_or(ExtendError::NotFound)?;
+            (
+                rec.res.status,
+                rec.res.model.clone(),
+                rec.res.scopes.clone(),
+            )
+        };
+        if status != Status::Held {
+            return Err(ExtendError::NotHeld { status });
+        }
+        let delta = match amounts {
+            Some(a) => derive(catalog, a, model.as_deref(), 0).0,
+            None => Amounts::new(),
+        };
+        if !delta.is_empty() {
+            let requested = |d: Dimension| if d.is_implied() { 0 } else { delta.get(d) };
+            if let Some(denial) = self.check(&scopes, now, &requested, true) {
+                return Err(ExtendError::Denied(denial));
+            }
+        }
+
+        // Nothing can fail past this point.
+        let new_expiry = ttl_ms.map(|t| now.saturating_add(t));
+        let home = self.home;
+        for pi in 0..self.parts.len() {
+            let part = &mut *self.parts[pi].1;
+            let slot = if pi == home {
+                part.records.get(&id).map_or(NO_SLOT, |r| r.hold_slot)
+            } else {
+                part.foreign.get(&id).copied().unwrap_or(NO_SLOT)
+            };
+            if slot == NO_SLOT {
+                continue;
+            }
+            if !delta.is_empty() {
+                part.raise_hold(slot, &delta);
+            }
+            if let Some(e) = new_expiry {
+                part.move_hold(slot, e);
+            }
+        }
+        let rec = self.home().records.get_mut(&id).expect("looked up above");
+        add_into(&mut rec.res.held, &delta);
+        if let Some(e) = new_expiry {
+            rec.res.expires_at = Timestamp::from_millis(e);
+        }
+        Ok(&self.home().records[&id].res)
+    }
+
+    pub(crate) fn get(&mut self, now: Timestamp, id: ReservationId) -> Option<&Reservation> {
+        self.observe(now);
+        self.home().records.get(&id).map(|r| &r.res)
+    }
+
+    pub(crate) fn status(&mut self, now: Timestamp, key: &ScopeKey) -> ScopeStatus {
+        let now = self.observe(now);
+        let catalog = self.catalog;
+        let shard = self.router.of_scope(key);
+        let part = self.part(shard);
+        // A scope never used answers its plan with zero use, and is not created.
+        let mut fresh;
+        let st = match part.scopes.get_mut(key.as_str()) {
+            Some(st) => {
+                st.sync(catalog, key);
+                st.advance(now);
+                st
+            }
+            None => {
+                fresh = ScopeState::new(catalog.plan_for(key).clone(), catalog.epoch());
+                fresh.advance(now);
+                &mut fresh
+            }
+        };
+        ScopeStatus {
+            scope: key.clone(),
+            plan: st.plan.name().to_string(),
+            held_reservations: u64::from(st.held_count),
+            limits: limit_statuses(catalog, st, now),
+        }
+    }
+
+    pub(crate) fn adjust(
+        &mut self,
+        now: Timestamp,
+        key: &ScopeKey,
+        dim: Dimension,
+        credit: i64,
+    ) -> Result<ScopeStatus, AdminError> {
+        let now = self.observe(now);
+        let catalog = self.catalog;
+        catalog.check_scope(key)?;
+        if credit.unsigned_abs() > MAX_AMOUNT {
+            return Err(Invalid::new("amount", "above the largest amount, 2^53").into());
+        }
+        let plan = catalog.plan_for(key);
+        if !ShardState::limits_with(plan, dim, |w| matches!(w, Window::Total)) {
+            return Err(AdminError::NotFound(format!(
+                "a total limit on {} for {key}",
+                catalog.dimension_name(dim)
+            )));
+        }
+        let shard = self.router.of_scope(key);
+        let part = self.part(shard);
+        let st = part.scope_mut(catalog, key, now);
+        for li in 0..st.plan.limits().len() {
+            if st.plan.limits()[li].dimension() == dim {
+                st.state(li).adjust(credit);
+            }
+        }
+        Ok(self.status(Timestamp::from_millis(now), key))
+    }
+}

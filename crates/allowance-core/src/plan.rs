@@ -1,0 +1,175 @@
+//! Plans (named lists of limits, a tier) and the overrun policy.
+
+use std::sync::Arc;
+
+use crate::error::Invalid;
+use crate::limit::Limit;
+use crate::units::Dimension;
+use crate::window;
+
+/// Most limits in one plan.
+pub const MAX_LIMITS_PER_PLAN: usize = 32;
+
+/// What a settle records when the actual usage exceeds what was held: a
+/// strategy chosen per plan (the tenant's plan governs a reservation) and
+/// fixed at reserve time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum OverrunPolicy {
+    /// Record the actual usage; a budget may go below zero (honest accounting).
+    #[default]
+    ChargeActual,
+    /// Record `min(actual, held)`: the caller was promised its estimate.
+    CapAtEstimate,
+    /// Record `min(actual, floor(held × (100 + percent) / 100))`.
+    AllowOverrun {
+        /// Tolerated overrun, in percent of the hold.
+        percent: u32,
+    },
+}
+
+impl OverrunPolicy {
+    /// What to record for one dimension, given what was held and what was used.
+    ///
+    /// ```
+    /// use allowance_core::OverrunPolicy;
+    /// assert_eq!(OverrunPolicy::ChargeActual.charge(100, 150), 150);
+    /// assert_eq!(OverrunPolicy::CapAtEstimate.charge(100, 150), 100);
+    /// assert_eq!(OverrunPolicy::AllowOverrun { percent: 10 }.charge(100, 150), 110);
+    /// assert_eq!(OverrunPolicy::AllowOverrun { percent: 10 }.charge(100, 50), 50);
+    /// ```
+    pub fn charge(self, held: u64, actual: u64) -> u64 {
+        match self {
+            OverrunPolicy::ChargeActual => actual,
+            OverrunPolicy::CapAtEstimate => actual.min(held),
+            OverrunPolicy::AllowOverrun { percent } => {
+                let cap = u128::from(held) * (100 + u128::from(percent)) / 100;
+                actual.min(u64::try_from(cap).unwrap_or(u64::MAX))
+            }
+        }
+    }
+
+    /// The wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OverrunPolicy::ChargeActual => "charge_actual",
+            OverrunPolicy::CapAtEstimate => "cap_at_estimate",
+            OverrunPolicy::AllowOverrun { .. } => "allow_overrun",
+        }
+    }
+}
+
+/// A named list of limits: a tier (`free`, `plus`, `enterprise`), or the
+/// limits given to one scope by an override.
+#[derive(Debug)]
+pub struct Plan {
+    name: Box<str>,
+    limits: Box<[Limit]>,
+    overrun: OverrunPolicy,
+    queue_weight: u32,
+    /// Where each limit's state starts in a scope's state words.
+    pub(crate) offsets: Box<[u32]>,
+    /// Words of state a scope on this plan needs (a timestamp first).
+    pub(crate) words: u32,
+}
+
+impl Plan {
+    /// A validated plan. Errors name the field as `limits[i].…`.
+    ///
+    /// ```
+    /// use allowance_core::{Dimension, Limit, OverrunPolicy, Plan, Window};
+    /// let plan = Plan::new("free", vec![
+    ///     Limit::new(Dimension::REQUESTS, 60, Window::Bucket { period_ms: 60_000 }).unwrap(),
+    ///     Limit::new(Dimension::CONCURRENT, 4, Window::Concurrent).unwrap(),
+    /// ], OverrunPolicy::ChargeActual).unwrap();
+    /// assert_eq!(plan.limits().len(), 2);
+    /// ```
+    pub fn new(
+        name: &str,
+        limits: Vec<Limit>,
+        overrun: OverrunPolicy,
+    ) -> Result<Arc<Plan>, Invalid> {
+        Plan::with_weight(name, limits, overrun, 1)
+    }
+
+    /// [`Plan::new`] with a queue weight (the tenant's share in the admission queue).
+    pub fn with_weight(
+        name: &str,
+        limits: Vec<Limit>,
+        overrun: OverrunPolicy,
+        queue_weight: u32,
+    ) -> Result<Arc<Plan>, Invalid> {
+        if name.is_empty() || name.len() > 64 {
+            return Err(Invalid::new("name", "a plan name has 1 to 64 characters"));
+        }
+        if limits.len() > MAX_LIMITS_PER_PLAN {
+            return Err(Invalid::new(
+                "limits",
+                format!("at most {MAX_LIMITS_PER_PLAN} limits per plan"),
+            ));
+        }
+        if queue_weight == 0 || queue_weight > 1000 {
+            return Err(Invalid::new("queue_weight", "must be between 1 and 1000"));
+        }
+        if let OverrunPolicy::AllowOverrun { percent } = overrun {
+            if percent > 10_000 {
+                return Err(Invalid::new(
+                    "overrun_percent",
+                    "must be between 0 and 10000",
+                ));
+            }
+        }
+        for (i, a) in limits.iter().enumerate() {
+            if limits[..i].iter().any(|b| b.same_history(a)) {
+                return Err(Invalid::new(
+                    format!("limits[{i}]"),
+                    "duplicates an earlier limit (same dimension and window)",
+                ));
+            }
+        }
+        let mut offsets = Vec::with_capacity(limits.len());
+        let mut words = 1u32;
+        for l in &limits {
+            offsets.push(words);
+            words += window::words_for(l.window()) as u32;
+        }
+        Ok(Arc::new(Plan {
+            name: name.into(),
+            limits: limits.into(),
+            overrun,
+            queue_weight,
+            offsets: offsets.into(),
+            words,
+        }))
+    }
+
+    /// The plan's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Its limits, in order (the order breaks ties between denials).
+    pub fn limits(&self) -> &[Limit] {
+        &self.limits
+    }
+
+    /// Its overrun policy (read from the tenant's plan only).
+    pub fn overrun(&self) -> OverrunPolicy {
+        self.overrun
+    }
+
+    /// The tenant's share in the admission queue.
+    pub fn queue_weight(&self) -> u32 {
+        self.queue_weight
+    }
+
+    /// Whether any limit counts `dim`.
+    pub fn limits_dimension(&self, dim: Dimension) -> bool {
+        self.limits.iter().any(|l| l.dimension() == dim)
+    }
+
+    /// An empty plan (no limits), for kinds configured without one.
+    pub fn unlimited() -> Arc<Plan> {
+        Plan::new("unlimited", Vec::new(), OverrunPolicy::ChargeActual)
+            .expect("the empty plan is valid")
+    }
+}

@@ -1,0 +1,269 @@
+//! Reservations and the requests and answers around them.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::limit::WindowKind;
+use crate::plan::OverrunPolicy;
+use crate::scope::{ScopeKey, ScopeSet};
+use crate::units::{Amounts, Timestamp};
+
+/// A reservation's id: 128 bits, of which at least 120 are random (made at
+/// the boundary, passed in, so a replayed log makes the same ids). The low
+/// 8 bits may carry a tag of the tenant ([`ReservationId::mint`]) so a
+/// sharded ledger finds a reservation's home without a global index.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ReservationId(pub u128);
+
+impl ReservationId {
+    /// An id from 128 random bits, with the low 8 replaced by the tenant's
+    /// tag (120 random bits remain). Every id given to a
+    /// [`SharedLedger`](crate::SharedLedger) must be made so.
+    ///
+    /// ```
+    /// use allowance_core::ReservationId;
+    /// let id = ReservationId::mint(0x0123_4567_89ab_cdef_0123_4567_89ab_cdef, "acme");
+    /// assert_eq!(id.tag(), ReservationId::tenant_tag("acme"));
+    /// assert_eq!(ReservationId::parse(&id.to_string()), Some(id));
+    /// ```
+    pub fn mint(random: u128, tenant: &str) -> Self {
+        ReservationId((random & !0xff) | u128::from(Self::tenant_tag(tenant)))
+    }
+
+    /// The stable 8-bit tag of a tenant name (FNV-1a, folded). Stable across
+    /// processes and versions: it routes ids to shards.
+    pub fn tenant_tag(tenant: &str) -> u8 {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in tenant.bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        (h ^ (h >> 8) ^ (h >> 16) ^ (h >> 24) ^ (h >> 32) ^ (h >> 40) ^ (h >> 48) ^ (h >> 56)) as u8
+    }
+
+    /// The tag in the low 8 bits.
+    pub fn tag(self) -> u8 {
+        self.0 as u8
+    }
+
+    /// Parses the display form `rsv_` + 32 lowercase hex digits.
+    pub fn parse(s: &str) -> Option<ReservationId> {
+        let hex = s.strip_prefix("rsv_")?;
+        if hex.len() != 32
+            || !hex
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        {
+            return None;
+        }
+        u128::from_str_radix(hex, 16).ok().map(ReservationId)
+    }
+}
+
+impl fmt::Display for ReservationId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "rsv_{:032x}", self.0)
+    }
+}
+
+impl fmt::Debug for ReservationId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+/// Where a reservation is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Status {
+    /// Holding its amounts on every scope.
+    Held,
+    /// Usage recorded (terminal).
+    Settled,
+    /// Released with nothing recorded (terminal).
+    Refunded,
+    /// Its TTL passed; holds released. A late settle may still record usage.
+    Expired,
+}
+
+impl Status {
+    /// The wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Held => "held",
+            Status::Settled => "settled",
+            Status::Refunded => "refunded",
+            Status::Expired => "expired",
+        }
+    }
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Free-form labels carried by a reservation into the usage log.
+pub type Labels = Arc<[(String, String)]>;
+
+/// A reserve request. Build the scopes with
+/// [`Catalog::scope_set`](crate::Catalog::scope_set); a request can be
+/// reused (its shared parts are reference counted).
+#[derive(Clone, Debug)]
+pub struct ReserveRequest {
+    /// The tenant scope first, then the others.
+    pub scopes: ScopeSet,
+    /// Amounts as sent (zeros dropped); `tokens` and `cost_micros` are
+    /// derived when absent.
+    pub amounts: Amounts,
+    /// A model from the model table, for `cost_micros`.
+    pub model: Option<Arc<str>>,
+    /// Time to live; the catalog's default when `None`.
+    pub ttl_ms: Option<u64>,
+    /// Makes a retried reserve return the same reservation.
+    pub idempotency_key: Option<Arc<str>>,
+    /// Answer as a reserve would, and change nothing.
+    pub dry_run: bool,
+    /// Labels for the usage log.
+    pub labels: Option<Labels>,
+    /// Also answer the remaining room of every limit of every scope.
+    pub report_remaining: bool,
+}
+
+impl ReserveRequest {
+    /// A request for `amounts` on `scopes`, with every option at its default.
+    pub fn new(scopes: ScopeSet, amounts: Amounts) -> Self {
+        ReserveRequest {
+            scopes,
+            amounts,
+            model: None,
+            ttl_ms: None,
+            idempotency_key: None,
+            dry_run: false,
+            labels: None,
+            report_remaining: false,
+        }
+    }
+}
+
+/// One limit's room, as reported with a grant.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Remaining {
+    /// The scope.
+    pub scope: ScopeKey,
+    /// The dimension's name.
+    pub dimension: String,
+    /// The window kind.
+    pub window: WindowKind,
+    /// The capacity.
+    pub capacity: u64,
+    /// `capacity − used − held` after this reservation.
+    pub remaining: i64,
+    /// When room next appears without new traffic.
+    pub resets_at: Option<Timestamp>,
+}
+
+/// A granted reserve (or a dry run that would be granted, or a replay).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Granted {
+    /// The reservation's id (for a dry run, the id it would have had).
+    pub id: ReservationId,
+    /// Held; for a replay the existing reservation's status.
+    pub status: Status,
+    /// Whether this answers an idempotent repeat.
+    pub replayed: bool,
+    /// Whether nothing was held (`dry_run`).
+    pub dry_run: bool,
+    /// The amounts held (derived `tokens` and `cost_micros` included;
+    /// `requests` and `concurrent` are implied).
+    pub held: Amounts,
+    /// When the hold expires.
+    pub expires_at: Timestamp,
+    /// Every limit's room, when asked for (`report_remaining`, dry runs).
+    pub remaining: Vec<Remaining>,
+}
+
+/// Usage reported at settle.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Actual amounts (a missing dimension counts as 0).
+    pub amounts: Amounts,
+    /// The part of `input_tokens` served from a cache (priced apart).
+    pub cached_input_tokens: u64,
+    /// Non-token costs (tool calls, vendors), never capped by the overrun policy.
+    pub charges: Vec<Charge>,
+}
+
+/// A non-token charge recorded at settle.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Charge {
+    /// What it was for (`search`).
+    pub name: String,
+    /// Its cost, added to `cost_micros`.
+    pub cost_micros: u64,
+    /// Custom dimensions it counts (`search_calls: 1`).
+    pub amounts: Amounts,
+}
+
+/// A reservation, as read back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reservation {
+    /// Its id.
+    pub id: ReservationId,
+    /// Its status.
+    pub status: Status,
+    /// Its scopes, the tenant first.
+    pub scopes: ScopeSet,
+    /// The model named at reserve.
+    pub model: Option<Arc<str>>,
+    /// Labels.
+    pub labels: Option<Labels>,
+    /// Amounts held (or last held, once ended).
+    pub held: Amounts,
+    /// When it was made.
+    pub created_at: Timestamp,
+    /// When the hold expires (or expired).
+    pub expires_at: Timestamp,
+    /// When it ended, once it has.
+    pub ended_at: Option<Timestamp>,
+    /// What a settle recorded after the overrun policy (`requests` implied as 1).
+    pub charged: Option<Amounts>,
+    /// Whether it was settled after it had expired.
+    pub late: bool,
+    /// The overrun policy fixed at reserve time.
+    pub overrun: OverrunPolicy,
+    /// Its idempotency key.
+    pub idempotency_key: Option<Arc<str>>,
+}
+
+/// One limit of a scope, as reported by a status read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LimitStatus {
+    /// The dimension's name.
+    pub dimension: String,
+    /// The window and its parameters.
+    pub window: crate::limit::Window,
+    /// The capacity.
+    pub capacity: u64,
+    /// Usage in the window (bucket: capacity − level; total: all usage; concurrent: 0).
+    pub used: i64,
+    /// Held by live reservations (concurrent: their number).
+    pub held: u64,
+    /// `capacity − used − held`; negative after an overrun.
+    pub remaining: i64,
+    /// When room next appears without new traffic.
+    pub resets_at: Option<Timestamp>,
+}
+
+/// A scope's status.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScopeStatus {
+    /// The canonical scope.
+    pub scope: ScopeKey,
+    /// Its plan's name.
+    pub plan: String,
+    /// Number of HELD reservations on it.
+    pub held_reservations: u64,
+    /// Every limit of its plan.
+    pub limits: Vec<LimitStatus>,
+}

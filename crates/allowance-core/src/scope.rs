@@ -1,0 +1,273 @@
+//! Scope names: what a ceiling is counted against.
+//!
+//! Scopes of ordinary kinds live inside a tenant and their canonical name
+//! carries it (`tenant:acme/user:bob`); the tenant itself is `tenant:acme`;
+//! scopes of a kind configured `shared` are global (`upstream:openai`).
+//! Kinds match `[a-z][a-z0-9_-]{0,31}`, ids `[A-Za-z0-9._~@+=-]{1,128}`.
+
+use std::borrow::Borrow;
+use std::fmt;
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+
+use crate::error::Invalid;
+
+/// Longest kind name (TigerStyle: a limit on everything).
+pub const MAX_KIND_LEN: usize = 32;
+/// Longest scope id.
+pub const MAX_ID_LEN: usize = 128;
+/// The kind every tenant scope has.
+pub const TENANT_KIND: &str = "tenant";
+
+/// Whether `kind` is a valid kind name.
+pub fn valid_kind(kind: &str) -> bool {
+    let b = kind.as_bytes();
+    !b.is_empty()
+        && b.len() <= MAX_KIND_LEN
+        && b[0].is_ascii_lowercase()
+        && b[1..]
+            .iter()
+            .all(|&c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'_' || c == b'-')
+}
+
+/// Whether `id` is a valid scope id (tenant names included).
+pub fn valid_id(id: &str) -> bool {
+    let b = id.as_bytes();
+    !b.is_empty()
+        && b.len() <= MAX_ID_LEN
+        && b.iter()
+            .all(|&c| c.is_ascii_alphanumeric() || b"._~@+=-".contains(&c))
+}
+
+/// A canonical scope name, cheap to clone (one reference count).
+///
+/// Equality and hashing are those of the canonical string, so maps keyed by
+/// `ScopeKey` can be searched with a `&str`.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ScopeKey(Arc<str>);
+
+impl ScopeKey {
+    /// The tenant scope `tenant:{tenant}`.
+    pub fn tenant(tenant: &str) -> Result<ScopeKey, Invalid> {
+        if !valid_id(tenant) {
+            return Err(Invalid::new(
+                "tenant",
+                format!("invalid tenant {tenant:?}: expected [A-Za-z0-9._~@+=-]{{1,128}}"),
+            ));
+        }
+        Ok(ScopeKey(format!("{TENANT_KIND}:{tenant}").into()))
+    }
+
+    /// A scope of `kind` inside `tenant` (`tenant:{tenant}/{kind}:{id}`), or a
+    /// global one (`{kind}:{id}`) when `shared`. `field` names the input in
+    /// errors (e.g. `scopes.user`).
+    pub fn new(
+        tenant: &str,
+        kind: &str,
+        id: &str,
+        shared: bool,
+        field: &str,
+    ) -> Result<ScopeKey, Invalid> {
+        if !valid_kind(kind) {
+            return Err(Invalid::new(
+                field,
+                format!("invalid kind {kind:?}: expected [a-z][a-z0-9_-]{{0,31}}"),
+            ));
+        }
+        if kind == TENANT_KIND {
+            return Err(Invalid::new(
+                field,
+                "the tenant scope is implied; name it with `tenant`",
+            ));
+        }
+        if !valid_id(id) {
+            return Err(Invalid::new(
+                field,
+                format!("invalid id {id:?}: expected [A-Za-z0-9._~@+=-]{{1,128}}"),
+            ));
+        }
+        if shared {
+            return Ok(ScopeKey(format!("{kind}:{id}").into()));
+        }
+        if !valid_id(tenant) {
+            return Err(Invalid::new("tenant", format!("invalid tenant {tenant:?}")));
+        }
+        Ok(ScopeKey(
+            format!("{TENANT_KIND}:{tenant}/{kind}:{id}").into(),
+        ))
+    }
+
+    /// Parses a canonical name (`tenant:acme`, `tenant:acme/user:bob`,
+    /// `tool:search`) without consulting any configuration: whether the kind
+    /// exists, and is shared, is the catalog's business.
+    pub fn parse(name: &str) -> Result<ScopeKey, Invalid> {
+        let bad = || Invalid::new("scope", format!("invalid scope name {name:?}"));
+        let (first, rest) = match name.split_once('/') {
+            Some((a, b)) => (a, Some(b)),
+            None => (name, None),
+        };
+        let (k, id) = first.split_once(':').ok_or_else(bad)?;
+        if !valid_kind(k) || !valid_id(id) {
+            return Err(bad());
+        }
+        if let Some(rest) = rest {
+            let (k2, id2) = rest.split_once(':').ok_or_else(bad)?;
+            if k != TENANT_KIND || k2 == TENANT_KIND || !valid_kind(k2) || !valid_id(id2) {
+                return Err(bad());
+            }
+        }
+        Ok(ScopeKey(name.into()))
+    }
+
+    /// The canonical name.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The scope's kind (`tenant`, `user`, `tool`…).
+    pub fn kind(&self) -> &str {
+        let last = self.0.rsplit('/').next().unwrap_or(&self.0);
+        last.split(':').next().unwrap_or(last)
+    }
+
+    /// The scope's id within its kind.
+    pub fn id(&self) -> &str {
+        let last = self.0.rsplit('/').next().unwrap_or(&self.0);
+        last.split_once(':').map_or("", |(_, id)| id)
+    }
+
+    /// The tenant a tenant-namespaced scope belongs to; `None` for a shared scope.
+    pub fn tenant_name(&self) -> Option<&str> {
+        let rest = self.0.strip_prefix("tenant:")?;
+        Some(rest.split('/').next().unwrap_or(rest))
+    }
+
+    /// Whether this is a tenant scope itself (`tenant:acme`).
+    pub fn is_tenant(&self) -> bool {
+        self.0.starts_with("tenant:") && !self.0.contains('/')
+    }
+
+    /// Whether this is a global scope of a shared kind.
+    pub fn is_shared(&self) -> bool {
+        !self.0.starts_with("tenant:")
+    }
+}
+
+impl Hash for ScopeKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.as_str().hash(state)
+    }
+}
+
+impl Borrow<str> for ScopeKey {
+    fn borrow(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for ScopeKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl fmt::Display for ScopeKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// The scopes of one reservation: the tenant scope first, then the others in
+/// the order of the request, without duplicates. Shared between requests and
+/// the reservations they create (cloning is one reference count).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScopeSet(Arc<[ScopeKey]>);
+
+impl ScopeSet {
+    /// Builds a set; `scopes[0]` must be the tenant scope. Use
+    /// [`Catalog::scope_set`](crate::Catalog::scope_set) to build one from a
+    /// request (it checks kinds against the configuration).
+    pub(crate) fn from_vec(scopes: Vec<ScopeKey>) -> Self {
+        ScopeSet(scopes.into())
+    }
+
+    /// The tenant scope.
+    pub fn tenant(&self) -> &ScopeKey {
+        &self.0[0]
+    }
+
+    /// The tenant's name.
+    pub fn tenant_name(&self) -> &str {
+        self.0[0].tenant_name().unwrap_or("")
+    }
+
+    /// All scopes, the tenant first.
+    pub fn as_slice(&self) -> &[ScopeKey] {
+        &self.0
+    }
+
+    /// Number of scopes.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Never true: the tenant scope is always there.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The same scopes regardless of order (idempotent replays compare so).
+    pub fn same_scopes(&self, other: &ScopeSet) -> bool {
+        if self.0.len() != other.0.len() {
+            return false;
+        }
+        self.0.iter().all(|s| other.0.contains(s))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_validated_and_canonical() {
+        assert_eq!(ScopeKey::tenant("acme").unwrap().as_str(), "tenant:acme");
+        let bob = ScopeKey::new("acme", "user", "bob", false, "scopes.user").unwrap();
+        assert_eq!(bob.as_str(), "tenant:acme/user:bob");
+        assert_eq!(
+            (bob.kind(), bob.id(), bob.tenant_name()),
+            ("user", "bob", Some("acme"))
+        );
+        let search = ScopeKey::new("acme", "tool", "search", true, "scopes.tool").unwrap();
+        assert_eq!(search.as_str(), "tool:search");
+        assert!(search.is_shared() && search.tenant_name().is_none());
+        assert!(ScopeKey::tenant("acme").unwrap().is_tenant() && !bob.is_tenant());
+        for bad in ["", "a/b", "a:b", "x".repeat(129).as_str(), "sp ace", "é"] {
+            assert!(ScopeKey::tenant(bad).is_err(), "{bad:?}");
+        }
+        for bad in ["User", "1user", "", "u".repeat(33).as_str(), "a.b"] {
+            let e = ScopeKey::new("acme", bad, "x", false, "scopes.k").unwrap_err();
+            assert_eq!(e.field, "scopes.k");
+        }
+        assert!(ScopeKey::new("acme", "tenant", "x", false, "scopes.tenant").is_err());
+        assert!(valid_id("a.b_c~d@e+f=g-1") && valid_kind("a_b-c9"));
+    }
+
+    #[test]
+    fn parse_round_trips() {
+        for name in ["tenant:acme", "tenant:acme/user:bob", "tool:search"] {
+            assert_eq!(ScopeKey::parse(name).unwrap().as_str(), name);
+        }
+        for bad in [
+            "acme",
+            "tenant:",
+            "user:bob/tool:x",
+            "tenant:a/tenant:b",
+            "tenant:a/user",
+            "tenant:a/user:b/c:d",
+            "Tool:x",
+        ] {
+            assert!(ScopeKey::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+}

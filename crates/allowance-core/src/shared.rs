@@ -1,0 +1,324 @@
+//! [`SharedLedger`]: the ledger for many threads, with no global lock.
+
+use std::sync::Arc;
+
+use smallvec::SmallVec;
+
+use crate::catalog::Catalog;
+use crate::error::{AdminError, ExtendError, Invalid, RefundError, ReserveError, SettleError};
+use crate::invariants;
+use crate::ops::{Locked, Router};
+use crate::reservation::{
+    Granted, Reservation, ReservationId, ReserveRequest, ScopeStatus, Status, Usage,
+};
+use crate::scope::ScopeKey;
+use crate::shard::{Shard, ShardState};
+use crate::sync::{Mutex, MutexGuard};
+use crate::units::{Amounts, Dimension, Timestamp};
+
+/// Keeps each shard's lock on its own cache line, so threads working on
+/// different tenants do not slow each other down through false sharing.
+#[repr(align(128))]
+#[derive(Debug)]
+struct Padded<T>(T);
+
+/// What a settle, refund or extend answers without copying the whole
+/// reservation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Outcome {
+    /// The reservation's status after the operation.
+    pub status: Status,
+    /// Whether a settle came after expiry.
+    pub late: bool,
+    /// What was recorded (settled only).
+    pub charged: Option<Amounts>,
+    /// What is (or was last) held.
+    pub held: Amounts,
+    /// When the hold expires (or expired).
+    pub expires_at: Timestamp,
+}
+
+impl From<&Reservation> for Outcome {
+    fn from(r: &Reservation) -> Self {
+        Outcome {
+            status: r.status,
+            late: r.late,
+            charged: r.charged.clone(),
+            held: r.held.clone(),
+            expires_at: r.expires_at,
+        }
+    }
+}
+
+/// The ledger shared by many threads: linearizable, with no global lock.
+///
+/// State is split into shards, each behind its own mutex: a tenant and all
+/// its scopes and reservations live in one shard (chosen by a stable hash of
+/// the tenant, which [`ReservationId::mint`] also stamps into ids), and
+/// shared scopes are spread over the shards by name. An operation locks the
+/// shards it touches in ascending order (no deadlock), runs the same
+/// transition as [`Ledger`](crate::Ledger), and unlocks: operations on
+/// tenants in different shards run in parallel, and no lock is held longer
+/// than the in-memory update.
+///
+/// ```
+/// use allowance_core::*;
+/// let mut catalog = Catalog::default();
+/// let plan = Plan::new("t", vec![Limit::new(Dimension::TOKENS, 1000, Window::Total).unwrap()], OverrunPolicy::ChargeActual).unwrap();
+/// catalog.set_plan(plan);
+/// catalog.set_kind("tenant", Some("t"), false).unwrap();
+/// let ledger = SharedLedger::new(catalog, 16);
+/// let req = ReserveRequest::new(ledger.catalog().scope_set("acme", &[]).unwrap(),
+///                               Amounts::new().with(Dimension::TOKENS, 600));
+/// let now = Timestamp::from_millis(1_000);
+/// let id = ReservationId::mint(0xfeed_f00d_dead_beef_0000_1111_2222_3333, "acme");
+/// ledger.reserve(now, id, &req).unwrap();
+/// ledger.settle(now, id, &Usage { amounts: Amounts::new().with(Dimension::TOKENS, 250), ..Usage::default() }).unwrap();
+/// let status = ledger.status(now, req.scopes.tenant());
+/// assert_eq!(status.limits[0].remaining, 750);
+/// ```
+#[derive(Debug)]
+pub struct SharedLedger {
+    shards: Box<[Padded<Mutex<Shard>>]>,
+    router: Router,
+    catalog: Mutex<Arc<Catalog>>,
+}
+
+impl SharedLedger {
+    /// A ledger of `shards` shards (rounded up to a power of two, at most
+    /// 256; a few times the number of cores is plenty).
+    pub fn new(catalog: Catalog, shards: usize) -> Self {
+        let n = shards.clamp(1, 256).next_power_of_two();
+        let catalog = Arc::new(catalog);
+        SharedLedger {
+            shards: (0..n)
+                .map(|_| {
+                    Padded(Mutex::new(Shard {
+                        catalog: catalog.clone(),
+                        st: ShardState::default(),
+                    }))
+                })
+                .collect(),
+            router: Router::new(n),
+            catalog: Mutex::new(catalog),
+        }
+    }
+
+    /// The configuration in force.
+    pub fn catalog(&self) -> Arc<Catalog> {
+        self.catalog.lock().clone()
+    }
+
+    /// Changes the configuration, effective for the next operation of every
+    /// shard. `f` sees a copy; an error changes nothing.
+    pub fn update_catalog<R, E>(
+        &self,
+        f: impl FnOnce(&mut Catalog) -> Result<R, E>,
+    ) -> Result<R, E> {
+        let mut current = self.catalog.lock();
+        let mut next = (**current).clone();
+        let r = f(&mut next)?;
+        let next = Arc::new(next);
+        for s in self.shards.iter() {
+            s.0.lock().catalog = next.clone();
+        }
+        *current = next;
+        Ok(r)
+    }
+
+    /// Runs `f` with the given shards locked (ascending, deduplicated).
+    fn with_shards<R>(
+        &self,
+        shards: &[usize],
+        home: usize,
+        f: impl FnOnce(&mut Locked<'_>) -> R,
+    ) -> R {
+        let mut guards: SmallVec<[MutexGuard<'_, Shard>; 4]> =
+            shards.iter().map(|&i| self.shards[i].0.lock()).collect();
+        let mut catalog = None;
+        let mut parts = SmallVec::new();
+        for (k, g) in guards.iter_mut().enumerate() {
+            let Shard { catalog: c, st } = &mut **g;
+            if shards[k] == home {
+                catalog = Some(&**c);
+            }
+            parts.push((shards[k], st));
+        }
+        let home_pos = shards
+            .iter()
+            .position(|&s| s == home)
+            .expect("the home shard is locked");
+        let mut locked = Locked {
+            catalog: catalog.expect("the home shard is locked"),
+            parts,
+            home: home_pos,
+            router: self.router,
+        };
+        f(&mut locked)
+    }
+
+    /// Runs `f` on the shards a reservation lives in: its home, found from
+    /// the id's tag, and — if it holds shared scopes elsewhere — those too.
+    fn with_reservation<R>(&self, id: ReservationId, f: impl FnOnce(&mut Locked<'_>) -> R) -> R {
+        let home = self.router.of_id(id);
+        let scopes = {
+            let g = self.shards[home].0.lock();
+            match g.st.records.get(&id) {
+                Some(r) if r.multi_shard => Some(r.res.scopes.clone()),
+                _ => None,
+            }
+        };
+        match scopes {
+            // A reservation's scopes never change, so the set found here stays right.
+            Some(scopes) => {
+                let shards = self.router.shards_of(&scopes);
+                self.with_shards(&shards, home, f)
+            }
+            None => self.with_shards(&[home], home, f),
+        }
+    }
+
+    /// Holds `req.amounts` on every scope, all or nothing. `id` must be made
+    /// by [`ReservationId::mint`] for the request's tenant.
+    pub fn reserve(
+        &self,
+        now: Timestamp,
+        id: ReservationId,
+        req: &ReserveRequest,
+    ) -> Result<Granted, ReserveError> {
+        let tenant = req.scopes.tenant_name();
+        if id.tag() != ReservationId::tenant_tag(tenant) {
+            return Err(
+                Invalid::new("id", "the reservation id was not minted for this tenant").into(),
+            );
+        }
+        let home = self.router.of_tenant(tenant);
+        let shards = self.router.shards_of(&req.scopes);
+        self.with_shards(&shards, home, |l| l.reserve(now, id, req))
+    }
+
+    /// Settles (see [`Ledger::settle`](crate::Ledger::settle)).
+    pub fn settle(
+        &self,
+        now: Timestamp,
+        id: ReservationId,
+        usage: &Usage,
+    ) -> Result<Outcome, SettleError> {
+        self.with_reservation(id, |l| l.settle(now, id, usage).map(Outcome::from))
+    }
+
+    /// Settles, answering the whole reservation.
+    pub fn settle_view(
+        &self,
+        now: Timestamp,
+        id: ReservationId,
+        usage: &Usage,
+    ) -> Result<Reservation, SettleError> {
+        self.with_reservation(id, |l| l.settle(now, id, usage).cloned())
+    }
+
+    /// Refunds (see [`Ledger::refund`](crate::Ledger::refund)).
+    pub fn refund(&self, now: Timestamp, id: ReservationId) -> Result<Outcome, RefundError> {
+        self.with_reservation(id, |l| l.refund(now, id).map(Outcome::from))
+    }
+
+    /// Refunds, answering the whole reservation.
+    pub fn refund_view(
+        &self,
+        now: Timestamp,
+        id: ReservationId,
+    ) -> Result<Reservation, RefundError> {
+        self.with_reservation(id, |l| l.refund(now, id).cloned())
+    }
+
+    /// Extends (see [`Ledger::extend`](crate::Ledger::extend)).
+    pub fn extend(
+        &self,
+        now: Timestamp,
+        id: ReservationId,
+        amounts: Option<&Amounts>,
+        ttl_ms: Option<u64>,
+    ) -> Result<Outcome, ExtendError> {
+        self.with_reservation(id, |l| {
+            l.extend(now, id, amounts, ttl_ms).map(Outcome::from)
+        })
+    }
+
+    /// Extends, answering the whole reservation.
+    pub fn extend_view(
+        &self,
+        now: Timestamp,
+        id: ReservationId,
+        amounts: Option<&Amounts>,
+        ttl_ms: Option<u64>,
+    ) -> Result<Reservation, ExtendError> {
+        self.with_reservation(id, |l| l.extend(now, id, amounts, ttl_ms).cloned())
+    }
+
+    /// A reservation as of `now` (expiry observed).
+    pub fn get(&self, now: Timestamp, id: ReservationId) -> Option<Reservation> {
+        self.with_reservation(id, |l| l.get(now, id).cloned())
+    }
+
+    /// A scope's limits as of `now`.
+    pub fn status(&self, now: Timestamp, scope: &ScopeKey) -> ScopeStatus {
+        let s = self.router.of_scope(scope);
+        self.with_shards(&[s], s, |l| l.status(now, scope))
+    }
+
+    /// An admin credit or debit on the scope's `total` limits of `dimension`.
+    pub fn adjust(
+        &self,
+        now: Timestamp,
+        scope: &ScopeKey,
+        dimension: Dimension,
+        credit: i64,
+    ) -> Result<ScopeStatus, AdminError> {
+        let s = self.router.of_scope(scope);
+        self.with_shards(&[s], s, |l| l.adjust(now, scope, dimension, credit))
+    }
+
+    /// Expires every hold due at `now` in every shard (one shard locked at a
+    /// time), forgets what passed its retention and drops idle scopes.
+    /// Returns the number of holds expired so far in all.
+    pub fn expire_due(&self, now: Timestamp) -> u64 {
+        self.shards
+            .iter()
+            .map(|s| {
+                let mut g = s.0.lock();
+                let Shard { catalog, st } = &mut *g;
+                st.observe(catalog, now.as_millis(), usize::MAX);
+                st.expired_count
+            })
+            .sum()
+    }
+
+    /// Number of shards.
+    pub fn shard_count(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// Number of HELD holds in all shards (foreign holds included).
+    pub fn hold_count(&self) -> usize {
+        self.shards.iter().map(|s| s.0.lock().st.expiry.len()).sum()
+    }
+
+    /// Checks every invariant, each shard's and across shards, after all
+    /// shards observed `now` (with every shard locked: a test helper).
+    pub fn check_invariants(&self, now: Timestamp) -> Result<(), String> {
+        let mut guards: Vec<_> = self.shards.iter().map(|s| s.0.lock()).collect();
+        let now = guards
+            .iter()
+            .map(|g| g.st.now_ms)
+            .fold(now.as_millis(), u64::max);
+        for g in guards.iter_mut() {
+            let Shard { catalog, st } = &mut **g;
+            st.observe(catalog, now, 0);
+        }
+        for (i, g) in guards.iter().enumerate() {
+            invariants::check_shard(i, &g.st)?;
+        }
+        let states: Vec<&ShardState> = guards.iter().map(|g| &g.st).collect();
+        invariants::check_foreign(&states, |id| self.router.of_id(id))
+    }
+}

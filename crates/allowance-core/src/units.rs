@@ -1,0 +1,187 @@
+//! Time, amounts and dimensions: the units every other module counts in.
+
+use std::fmt;
+
+/// The largest amount accepted anywhere (2^53): every amount survives a trip
+/// through a JSON number (an IEEE double) exactly.
+pub const MAX_AMOUNT: u64 = 1 << 53;
+
+/// An instant, in integer milliseconds since the Unix epoch.
+///
+/// The engine never reads a clock: every transition takes a `Timestamp`
+/// produced at the boundary, so replaying a log reproduces the same state.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Timestamp(u64);
+
+impl Timestamp {
+    /// The instant `ms` milliseconds after the epoch.
+    pub const fn from_millis(ms: u64) -> Self {
+        Timestamp(ms)
+    }
+
+    /// Milliseconds since the epoch.
+    pub const fn as_millis(self) -> u64 {
+        self.0
+    }
+
+    /// `self + ms`, saturating at the end of time instead of wrapping.
+    pub const fn saturating_add_ms(self, ms: u64) -> Self {
+        Timestamp(self.0.saturating_add(ms))
+    }
+
+    /// Milliseconds from `self` until `later`, or 0 if `later` is not later.
+    pub const fn ms_until(self, later: Timestamp) -> u64 {
+        later.0.saturating_sub(self.0)
+    }
+}
+
+/// What is counted. Built-in dimensions have fixed indices; custom ones
+/// (tool calls, pages) are registered in the [`Catalog`](crate::Catalog) and
+/// numbered after them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Dimension(pub(crate) u16);
+
+impl Dimension {
+    /// One per reservation, implied: held while HELD, used once settled.
+    pub const REQUESTS: Dimension = Dimension(0);
+    /// One per HELD reservation, implied: a gauge, never "used".
+    pub const CONCURRENT: Dimension = Dimension(1);
+    /// Prompt tokens.
+    pub const INPUT_TOKENS: Dimension = Dimension(2);
+    /// Completion tokens.
+    pub const OUTPUT_TOKENS: Dimension = Dimension(3);
+    /// Input + output, unless given explicitly.
+    pub const TOKENS: Dimension = Dimension(4);
+    /// Millionths of the deployment's one currency.
+    pub const COST_MICROS: Dimension = Dimension(5);
+
+    /// Number of built-in dimensions; custom dimensions start here.
+    pub const BUILTIN_COUNT: u16 = 6;
+
+    /// The built-in dimensions, in index order.
+    pub const BUILTIN: [Dimension; 6] = [
+        Dimension::REQUESTS,
+        Dimension::CONCURRENT,
+        Dimension::INPUT_TOKENS,
+        Dimension::OUTPUT_TOKENS,
+        Dimension::TOKENS,
+        Dimension::COST_MICROS,
+    ];
+
+    /// The dimension's index (built-ins first).
+    pub const fn index(self) -> usize {
+        self.0 as usize
+    }
+
+    /// The name of a built-in dimension, `None` for a custom one (its name
+    /// lives in the catalog).
+    pub const fn builtin_name(self) -> Option<&'static str> {
+        Some(match self.0 {
+            0 => "requests",
+            1 => "concurrent",
+            2 => "input_tokens",
+            3 => "output_tokens",
+            4 => "tokens",
+            5 => "cost_micros",
+            _ => return None,
+        })
+    }
+
+    /// The built-in dimension with this name.
+    pub fn builtin(name: &str) -> Option<Dimension> {
+        Dimension::BUILTIN
+            .into_iter()
+            .find(|d| d.builtin_name() == Some(name))
+    }
+
+    /// `requests` and `concurrent` are implied by every reservation; they
+    /// are never named in amounts.
+    pub const fn is_implied(self) -> bool {
+        self.0 <= 1
+    }
+}
+
+/// Amounts per dimension, sparse and sorted by dimension, zeros dropped.
+///
+/// Never contains the implied dimensions (`requests`, `concurrent`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Amounts(smallvec::SmallVec<[(Dimension, u64); 4]>);
+
+impl Amounts {
+    /// No amounts.
+    pub fn new() -> Self {
+        Amounts::default()
+    }
+
+    /// The amount of `dim` (0 when absent).
+    pub fn get(&self, dim: Dimension) -> u64 {
+        match self.0.binary_search_by_key(&dim, |&(d, _)| d) {
+            Ok(i) => self.0[i].1,
+            Err(_) => 0,
+        }
+    }
+
+    /// Whether `dim` is present (was given, even as 0 before zeros were dropped).
+    pub fn contains(&self, dim: Dimension) -> bool {
+        self.0.binary_search_by_key(&dim, |&(d, _)| d).is_ok()
+    }
+
+    /// Sets `dim` to `amount`; 0 removes it. Implied dimensions are ignored.
+    pub fn set(&mut self, dim: Dimension, amount: u64) {
+        if dim.is_implied() {
+            return;
+        }
+        match self.0.binary_search_by_key(&dim, |&(d, _)| d) {
+            Ok(i) if amount == 0 => {
+                self.0.remove(i);
+            }
+            Ok(i) => self.0[i].1 = amount,
+            Err(_) if amount == 0 => {}
+            Err(i) => self.0.insert(i, (dim, amount)),
+        }
+    }
+
+    /// Builder form of [`Amounts::set`].
+    ///
+    /// ```
+    /// use allowance_core::{Amounts, Dimension};
+    /// let a = Amounts::new().with(Dimension::INPUT_TOKENS, 3000).with(Dimension::OUTPUT_TOKENS, 0);
+    /// assert_eq!(a.get(Dimension::INPUT_TOKENS), 3000);
+    /// assert_eq!(a.iter().count(), 1);
+    /// ```
+    pub fn with(mut self, dim: Dimension, amount: u64) -> Self {
+        self.set(dim, amount);
+        self
+    }
+
+    /// The non-zero amounts, by dimension.
+    pub fn iter(&self) -> impl Iterator<Item = (Dimension, u64)> + '_ {
+        self.0.iter().copied()
+    }
+
+    /// Whether every amount is zero.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The first amount above [`MAX_AMOUNT`], if any.
+    pub fn first_too_large(&self) -> Option<(Dimension, u64)> {
+        self.iter().find(|&(_, a)| a > MAX_AMOUNT)
+    }
+}
+
+impl FromIterator<(Dimension, u64)> for Amounts {
+    fn from_iter<I: IntoIterator<Item = (Dimension, u64)>>(iter: I) -> Self {
+        let mut a = Amounts::new();
+        for (d, v) in iter {
+            a.set(d, v);
+        }
+        a
+    }
+}
+
+impl fmt::Display for Timestamp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}ms", self.0)
+    }
+}

@@ -1,0 +1,466 @@
+//! The five window kinds, as state words and the arithmetic on them.
+//!
+//! A scope keeps the state of all its limits in one boxed slice of `u64`
+//! words (one allocation per scope, see [`Plan`](crate::Plan)'s offsets),
+//! all advanced to the same instant whenever the scope is touched, so no
+//! window needs a timestamp of its own. Holds never enter these words: they
+//! are kept per (scope, dimension) and subtracted at check time, so releasing
+//! a hold is exact whatever the window did meanwhile.
+//!
+//! - **sliding** — `1 + ⌈slices/2⌉` words: the total, then the slices as
+//!   `u32` halves (a 24-slice window is 96 bytes, not 192). Slice `k` covers
+//!   `[k·w, (k+1)·w)` with `w = period / slices`, aligned to the epoch; the
+//!   window is the current slice and the `slices − 1` before it. A slice that
+//!   would pass `u32::MAX` moves that limit to wide `u64` slices kept aside.
+//! - **bucket** — 2 words: the deficit `capacity − level`, scaled by
+//!   `period_ms` (a `u128` in fixed point with denominator `period_ms`), so a
+//!   refill of `capacity / period_ms` per ms is the exact integer
+//!   `capacity` per ms. `used = ⌈deficit⌉`, so `remaining` rounds down, and
+//!   `retry_after = ⌈(deficit − target) / rate⌉` is exact.
+//! - **calendar** — 2 words: the end of the current window and the usage in
+//!   it; boundaries come from [`calendar::window_bounds`] only when a window
+//!   rolls over.
+//! - **total** — 1 word: usage as an `i64` (an admin credit may take it below 0).
+//! - **concurrent** — no words: the gauge is the scope's count of HELD
+//!   reservations.
+
+use crate::calendar;
+use crate::limit::{Limit, Window};
+
+/// Words of state a window needs.
+pub(crate) fn words_for(w: &Window) -> usize {
+    match w {
+        Window::Sliding { slices, .. } => 1 + (*slices as usize).div_ceil(2),
+        Window::Bucket { .. } | Window::Calendar { .. } => 2,
+        Window::Total => 1,
+        Window::Concurrent => 0,
+    }
+}
+
+/// Slices of a sliding window: packed `u32` halves, or wide `u64`s once a
+/// slice outgrew 32 bits.
+pub(crate) enum Slices<'a> {
+    Narrow(&'a mut [u64]),
+    Wide(&'a mut [u64]),
+}
+
+impl Slices<'_> {
+    fn get(&self, i: usize) -> u64 {
+        match self {
+            Slices::Narrow(w) => (w[i / 2] >> ((i % 2) * 32)) & 0xffff_ffff,
+            Slices::Wide(w) => w[i],
+        }
+    }
+
+    /// Sets slice `i`; `false` (and nothing changed) if a narrow slice cannot hold `v`.
+    fn set(&mut self, i: usize, v: u64) -> bool {
+        match self {
+            Slices::Narrow(w) => {
+                if v > u64::from(u32::MAX) {
+                    return false;
+                }
+                let shift = (i % 2) * 32;
+                w[i / 2] = (w[i / 2] & !(0xffff_ffff << shift)) | (v << shift);
+                true
+            }
+            Slices::Wide(w) => {
+                w[i] = v;
+                true
+            }
+        }
+    }
+
+    fn clear(&mut self) {
+        match self {
+            Slices::Narrow(w) | Slices::Wide(w) => w.fill(0),
+        }
+    }
+}
+
+/// The state of one limit of one scope: its words, and its wide slices if it
+/// has any.
+pub(crate) struct State<'a> {
+    pub(crate) limit: &'a Limit,
+    pub(crate) words: &'a mut [u64],
+    pub(crate) wide: Option<&'a mut [u64]>,
+}
+
+fn width(period_ms: u64, slices: u32) -> u64 {
+    period_ms / u64::from(slices)
+}
+
+fn deficit(words: &[u64]) -> u128 {
+    (u128::from(words[0]) << 64) | u128::from(words[1])
+}
+
+fn set_deficit(words: &mut [u64], d: u128) {
+    words[0] = (d >> 64) as u64;
+    words[1] = d as u64;
+}
+
+impl State<'_> {
+    fn slices(&mut self) -> Slices<'_> {
+        match &mut self.wide {
+            Some(w) => Slices::Wide(w),
+            None => Slices::Narrow(&mut self.words[1..]),
+        }
+    }
+
+    /// Brings the window from `from_ms` (when the scope was last touched) to `now_ms`.
+    pub(crate) fn advance(&mut self, from_ms: u64, now_ms: u64) {
+        match self.limit.window() {
+            Window::Sliding { period_ms, slices } => {
+                let (w, n) = (width(*period_ms, *slices), u64::from(*slices));
+                let (s0, s1) = (from_ms / w, now_ms / w);
+                if s1 <= s0 {
+                    return;
+                }
+                if s1 - s0 >= n {
+                    self.slices().clear();
+                    self.words[0] = 0;
+                    return;
+                }
+                let mut total = self.words[0];
+                let mut sl = self.slices();
+                for k in s0 + 1..=s1 {
+                    let i = (k % n) as usize;
+                    total = total.saturating_sub(sl.get(i));
+                    sl.set(i, 0);
+                }
+                self.words[0] = total;
+            }
+            Window::Bucket { .. } => {
+                let elapsed = u128::from(now_ms.saturating_sub(from_ms));
+                let refill = u128::from(self.limit.capacity()).saturating_mul(elapsed);
+                let d = deficit(self.words).saturating_sub(refill);
+                set_deficit(self.words, d);
+            }
+            Window::Calendar { unit, zone } => {
+                if now_ms >= self.words[0] {
+                    let (_, end) = calendar::window_bounds(*unit, zone, now_ms);
+                    self.words[0] = end;
+                    self.words[1] = 0;
+                }
+            }
+            Window::Total | Window::Concurrent => {}
+        }
+    }
+
+    /// Usage in the window now (after [`State::advance`]).
+    pub(crate) fn used(&self) -> i64 {
+        let clamp = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        match self.limit.window() {
+            Window::Sliding { .. } => clamp(self.words[0]),
+            Window::Bucket { period_ms } => {
+                let used = deficit(self.words).div_ceil(u128::from(*period_ms));
+                i64::try_from(used).unwrap_or(i64::MAX)
+            }
+            Window::Calendar { .. } => clamp(self.words[1]),
+            Window::Total => self.words[0] as i64,
+            Window::Concurrent => 0,
+        }
+    }
+
+    /// Whether recording `amount` now needs wide slices first.
+    pub(crate) fn needs_wide(&self, now_ms: u64, amount: u64) -> bool {
+        match (self.limit.window(), &self.wide) {
+            (Window::Sliding { period_ms, slices }, None) => {
+                let i = ((now_ms / width(*period_ms, *slices)) % u64::from(*slices)) as usize;
+                let cur = (self.words[1 + i / 2] >> ((i % 2) * 32)) & 0xffff_ffff;
+                cur.saturating_add(amount) > u64::from(u32::MAX)
+            }
+            _ => false,
+        }
+    }
+
+    /// The slices as wide `u64`s (to move this limit to wide storage).
+    pub(crate) fn widen(&self) -> Box<[u64]> {
+        match self.limit.window() {
+            Window::Sliding { slices, .. } => (0..*slices as usize)
+                .map(|i| (self.words[1 + i / 2] >> ((i % 2) * 32)) & 0xffff_ffff)
+                .collect(),
+            _ => Box::new([]),
+        }
+    }
+
+    /// Records `amount` of usage at `now_ms` (after [`State::advance`]).
+    /// Saturates instead of wrapping: accounting that far past any capacity
+    /// keeps refusing either way. The caller widens sliding slices first
+    /// when [`State::needs_wide`] says so.
+    pub(crate) fn record(&mut self, now_ms: u64, amount: u64) {
+        match self.limit.window() {
+            Window::Sliding { period_ms, slices } => {
+                let i = ((now_ms / width(*period_ms, *slices)) % u64::from(*slices)) as usize;
+                self.words[0] = self.words[0].saturating_add(amount);
+                let mut sl = self.slices();
+                let v = sl.get(i).saturating_add(amount);
+                let stored = sl.set(i, v);
+                debug_assert!(stored, "the caller widens before recording");
+            }
+            Window::Bucket { period_ms } => {
+                let add = u128::from(amount) * u128::from(*period_ms);
+                let d = deficit(self.words).saturating_add(add);
+                set_deficit(self.words, d);
+            }
+            Window::Calendar { .. } => self.words[1] = self.words[1].saturating_add(amount),
+            Window::Total => {
+                let add = i64::try_from(amount).unwrap_or(i64::MAX);
+                self.words[0] = (self.words[0] as i64).saturating_add(add) as u64;
+            }
+            Window::Concurrent => {}
+        }
+    }
+
+    /// An admin credit (positive: usage falls) or debit on a `total` window.
+    pub(crate) fn adjust(&mut self, credit: i64) {
+        if let Window::Total = self.limit.window() {
+            self.words[0] = (self.words[0] as i64).saturating_sub(credit) as u64;
+        }
+    }
+
+    /// Time from `now_ms` until usage alone falls to `target` or below,
+    /// holds assumed to stay; `None` when it never will by itself (`total`,
+    /// `concurrent`). Call only when `used() > target`.
+    pub(crate) fn ms_until_used_at_most(&mut self, now_ms: u64, target: u64) -> Option<u64> {
+        match self.limit.window() {
+            Window::Sliding { period_ms, slices } => {
+                let (w, n) = (width(*period_ms, *slices), u64::from(*slices));
+                let cur = now_ms / w;
+                let oldest = (cur + 1).saturating_sub(n);
+                let total = self.words[0];
+                let sl = self.slices();
+                let mut left = total;
+                for k in oldest..=cur {
+                    left = left.saturating_sub(sl.get((k % n) as usize));
+                    if left <= target {
+                        return Some(((k + n) * w).saturating_sub(now_ms));
+                    }
+                }
+                Some(((cur + n) * w).saturating_sub(now_ms))
+            }
+            Window::Bucket { period_ms } => {
+                let target_scaled = u128::from(target) * u128::from(*period_ms);
+                let need = deficit(self.words).saturating_sub(target_scaled);
+                let ms = need.div_ceil(u128::from(self.limit.capacity()));
+                Some(u64::try_from(ms).unwrap_or(u64::MAX))
+            }
+            Window::Calendar { .. } => Some(self.words[0].saturating_sub(now_ms)),
+            Window::Total | Window::Concurrent => None,
+        }
+    }
+
+    /// When room next appears without new traffic (the status's
+    /// `resets_at`): sliding, when the oldest non-empty slice leaves; bucket,
+    /// when full again; calendar, the next boundary; otherwise `None`
+    /// (concurrent is answered by the scope, from its holds).
+    pub(crate) fn resets_at(&mut self, now_ms: u64) -> Option<u64> {
+        match self.limit.window() {
+            Window::Sliding { period_ms, slices } => {
+                if self.words[0] == 0 {
+                    return None;
+                }
+                let (w, n) = (width(*period_ms, *slices), u64::from(*slices));
+                let cur = now_ms / w;
+                let sl = self.slices();
+                ((cur + 1).saturating_sub(n)..=cur)
+                    .find(|k| sl.get((k % n) as usize) > 0)
+                    .map(|k| (k + n) * w)
+            }
+            Window::Bucket { .. } => {
+                let d = deficit(self.words);
+                (d > 0).then(|| {
+                    let ms = d.div_ceil(u128::from(self.limit.capacity()));
+                    now_ms.saturating_add(u64::try_from(ms).unwrap_or(u64::MAX))
+                })
+            }
+            Window::Calendar { .. } => Some(self.words[0]),
+            Window::Total | Window::Concurrent => None,
+        }
+    }
+
+    /// When this window will hold no usage if nothing new happens: `Some(now)`
+    /// if it is empty already, `None` if never (a used `total`).
+    pub(crate) fn empty_at(&mut self, now_ms: u64) -> Option<u64> {
+        match self.limit.window() {
+            Window::Sliding { period_ms, slices } => {
+                if self.words[0] == 0 {
+                    return Some(now_ms);
+                }
+                let (w, n) = (width(*period_ms, *slices), u64::from(*slices));
+                let cur = now_ms / w;
+                let sl = self.slices();
+                let newest = ((cur + 1).saturating_sub(n)..=cur)
+                    .rev()
+                    .find(|k| sl.get((k % n) as usize) > 0)
+                    .unwrap_or(cur);
+                Some((newest + n) * w)
+            }
+            Window::Bucket { .. } => Some(self.resets_at(now_ms).unwrap_or(now_ms)),
+            Window::Calendar { .. } => Some(if self.words[1] == 0 {
+                now_ms
+            } else {
+                self.words[0]
+            }),
+            Window::Total => (self.words[0] == 0).then_some(now_ms),
+            Window::Concurrent => Some(now_ms),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::calendar::{CalendarUnit, Zone};
+    use crate::units::Dimension;
+
+    fn state_for(limit: &Limit) -> Vec<u64> {
+        vec![0; words_for(limit.window())]
+    }
+
+    /// A sliding window of 4 slices of 1 s: usage leaves slice by slice,
+    /// and retry_after names the instant the needed slice leaves.
+    #[test]
+    fn sliding_slices_leave_in_order() {
+        let l = Limit::new(
+            Dimension::TOKENS,
+            100,
+            Window::Sliding {
+                period_ms: 4000,
+                slices: 4,
+            },
+        )
+        .unwrap();
+        let mut words = state_for(&l);
+        let mut s = State {
+            limit: &l,
+            words: &mut words,
+            wide: None,
+        };
+        s.advance(0, 10_500);
+        s.record(10_500, 30); // slice 10
+        s.advance(10_500, 11_200);
+        s.record(11_200, 50); // slice 11
+        assert_eq!(s.used(), 80);
+        // To get used <= 40, slice 10 (30) is not enough alone... 80-30=50 > 40; slice 11 must leave too.
+        assert_eq!(s.ms_until_used_at_most(11_200, 40), Some(15_000 - 11_200));
+        assert_eq!(s.ms_until_used_at_most(11_200, 50), Some(14_000 - 11_200));
+        assert_eq!(s.resets_at(11_200), Some(14_000));
+        s.advance(11_200, 13_999);
+        assert_eq!(s.used(), 80);
+        s.advance(13_999, 14_000);
+        assert_eq!(s.used(), 50);
+        s.advance(14_000, 15_000);
+        assert_eq!(s.used(), 0);
+        assert_eq!(s.resets_at(15_000), None);
+    }
+
+    /// A bucket refills continuously and exactly; retry_after = deficit / rate.
+    #[test]
+    fn bucket_refills_exactly() {
+        let l = Limit::new(
+            Dimension::REQUESTS,
+            60,
+            Window::Bucket { period_ms: 60_000 },
+        )
+        .unwrap();
+        let mut words = state_for(&l);
+        let mut s = State {
+            limit: &l,
+            words: &mut words,
+            wide: None,
+        };
+        s.advance(0, 1_000_000);
+        assert_eq!(s.used(), 0);
+        s.record(1_000_000, 60);
+        assert_eq!(s.used(), 60);
+        // One request per second comes back.
+        s.advance(1_000_000, 1_000_999);
+        assert_eq!(
+            s.used(),
+            60,
+            "remaining rounds down: 0.999 of a request is not one"
+        );
+        s.advance(1_000_999, 1_001_000);
+        assert_eq!(s.used(), 59);
+        // used must fall to 55: 4 more seconds.
+        assert_eq!(s.ms_until_used_at_most(1_001_000, 55), Some(4_000));
+        assert_eq!(s.resets_at(1_001_000), Some(1_060_000));
+    }
+
+    #[test]
+    fn narrow_slices_widen_instead_of_overflowing() {
+        let l = Limit::new(
+            Dimension::COST_MICROS,
+            1 << 53,
+            Window::Sliding {
+                period_ms: 24,
+                slices: 24,
+            },
+        )
+        .unwrap();
+        let mut words = state_for(&l);
+        let s = State {
+            limit: &l,
+            words: &mut words,
+            wide: None,
+        };
+        assert!(!s.needs_wide(5, u64::from(u32::MAX)));
+        assert!(s.needs_wide(5, u64::from(u32::MAX) + 1));
+        let mut wide = s.widen();
+        let mut s = State {
+            limit: &l,
+            words: &mut words,
+            wide: Some(&mut wide),
+        };
+        s.record(5, 1 << 40);
+        s.record(5, 1 << 40);
+        assert_eq!(s.used(), 1 << 41);
+        assert_eq!(s.ms_until_used_at_most(6, 0), Some(24 + 5 - 6));
+    }
+
+    #[test]
+    fn calendar_rolls_at_the_boundary() {
+        let l = Limit::new(
+            Dimension::COST_MICROS,
+            10,
+            Window::Calendar {
+                unit: CalendarUnit::Minute,
+                zone: Zone::utc(),
+            },
+        )
+        .unwrap();
+        let mut words = state_for(&l);
+        let mut s = State {
+            limit: &l,
+            words: &mut words,
+            wide: None,
+        };
+        s.advance(0, 90_000);
+        s.record(90_000, 7);
+        assert_eq!(s.resets_at(90_000), Some(120_000));
+        assert_eq!(s.ms_until_used_at_most(90_000, 0), Some(30_000));
+        s.advance(90_000, 119_999);
+        assert_eq!(s.used(), 7);
+        s.advance(119_999, 120_000);
+        assert_eq!(s.used(), 0);
+    }
+
+    #[test]
+    fn total_never_refills_but_takes_credits() {
+        let l = Limit::new(Dimension::COST_MICROS, 10, Window::Total).unwrap();
+        let mut words = state_for(&l);
+        let mut s = State {
+            limit: &l,
+            words: &mut words,
+            wide: None,
+        };
+        s.record(1, 8);
+        s.advance(1, u64::MAX / 2);
+        assert_eq!(s.used(), 8);
+        assert_eq!(s.ms_until_used_at_most(5, 0), None);
+        s.adjust(10);
+        assert_eq!(s.used(), -2);
+        s.adjust(-3);
+        assert_eq!(s.used(), 1);
+    }
+}
