@@ -183,10 +183,10 @@ fn utc_bounds(unit: CalendarUnit, now_ms: u64) -> (u64, u64) {
             }
         }
         CalendarUnit::Month => {
-            let first = today - (civil_from_days(today).2 - 1);
+            let first = today - (day_of_month(today) - 1);
             // The next 1st is 28 to 31 days later.
             let mut next = first + 28;
-            while civil_from_days(next).2 != 1 {
+            while day_of_month(next) != 1 {
                 next += 1;
             }
             days(first, next)
@@ -194,23 +194,20 @@ fn utc_bounds(unit: CalendarUnit, now_ms: u64) -> (u64, u64) {
     }
 }
 
-/// (year, month 1..=12, day 1..=31) of a day count since 1970-01-01, after Howard
-/// Hinnant's `civil_from_days`; unsigned because days are never before the epoch here.
-fn civil_from_days(days: u64) -> (u64, u64, u64) {
-    let z = days + 719_468; // days since 0000-03-01, in a March-based year
-    let era = z / 146_097;
+/// The day of the month (1..=31) of a day count since 1970-01-01, after Howard Hinnant's
+/// `civil_from_days`: exact for every `u64`, unlike jiff's year-9999 range.
+fn day_of_month(days: u64) -> u64 {
+    let z = days + 719_468; // days since 0000-03-01: years run March to February
+    let era = z / 146_097; // 400-year eras
     let doe = z - era * 146_097;
     let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
     let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + u64::from(month <= 2);
-    (year, month, day)
+    let mp = (5 * doy + 2) / 153; // month, counted from March
+    doy - (153 * mp + 2) / 5 + 1
 }
 
-/// Windows in a real zone; `None` when jiff cannot represent an instant involved (beyond
-/// the year 9999), so that the caller falls back to UTC.
+/// Windows in a real zone; `None`, so that the caller falls back to UTC, when jiff cannot
+/// represent an instant involved (beyond the year 9999).
 fn zoned_bounds(unit: CalendarUnit, tz: &TimeZone, now_ms: u64) -> Option<(u64, u64)> {
     let now = Timestamp::from_millisecond(i64::try_from(now_ms).ok()?).ok()?;
     let (start, end) = match unit {
@@ -222,7 +219,10 @@ fn zoned_bounds(unit: CalendarUnit, tz: &TimeZone, now_ms: u64) -> Option<(u64, 
     };
     // Instants before the epoch clamp to 0.
     let millis = |t: i64| u64::try_from(t).unwrap_or(0);
-    Some((millis(start), millis(end)))
+    let (start, end) = (millis(start), millis(end));
+    // Holds for every zone in the tzdb (checked for all transitions 1970-2040); the check
+    // only keeps the promise should some future rule break the reasoning above.
+    (start <= now_ms && now_ms < end).then_some((start, end))
 }
 
 /// Days, weeks and months: from the first instant the local clock reaches the window's
@@ -581,6 +581,12 @@ mod tests {
                 }
             }
         }
+        // Past jiff's range (the year 9999) zones fall back to UTC windows.
+        let late = jiff_max + 1;
+        assert_eq!(
+            window_bounds(Month, &zone("Europe/Paris"), late),
+            window_bounds(Month, &Zone::utc(), late)
+        );
         // Windows that began before the epoch start at 0.
         assert_eq!(
             window_bounds(Week, &Zone::utc(), 0),

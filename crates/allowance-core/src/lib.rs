@@ -64,6 +64,7 @@ mod reservation;
 mod scope;
 mod shard;
 mod shared;
+mod store;
 mod sync;
 mod units;
 mod window;
@@ -87,4 +88,8 @@ pub use reservation::{
 };
 pub use scope::{MAX_ID_LEN, MAX_KIND_LEN, ScopeKey, ScopeSet, TENANT_KIND, valid_id, valid_kind};
 pub use shared::{Outcome, SharedLedger};
+pub use store::{
+    CatalogChange, Clock, EmbeddedStore, IdSource, ManualClock, SeededIds, Store, StoreError,
+    Unavailable,
+};
 pub use units::{Amounts, Dimension, MAX_AMOUNT, Timestamp};

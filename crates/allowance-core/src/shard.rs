@@ -197,6 +197,9 @@ impl ScopeState {
     }
 }
 
+/// A local scope of a hold: its index, key and position in its holders.
+type HolderAt = (usize, ScopeKey, u32);
+
 /// A hold of one reservation on the scopes of one shard.
 #[derive(Debug)]
 pub(crate) struct Hold {
@@ -426,7 +429,7 @@ impl ShardState {
 
     /// Moves a hold's expiry.
     pub(crate) fn move_hold(&mut self, slot: u32, expires_ms: u64) {
-        let (heap_pos, locals): (u32, SmallVec<[(usize, ScopeKey, u32); 4]>) = {
+        let (heap_pos, locals): (u32, SmallVec<[HolderAt; 4]>) = {
             let Some(Some(hold)) = self.holds.get_mut(slot as usize) else {
                 return;
             };

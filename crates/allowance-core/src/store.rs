@@ -1,0 +1,274 @@
+//! The [`Store`] abstraction the server calls, so the embedded ledger and
+//! Redis are interchangeable, and the embedded implementation of it.
+//!
+//! A store owns its clock and its id source: in production the clock is the
+//! wall (or Redis `TIME`), in tests a [`ManualClock`], so one conformance
+//! suite drives every store the same way.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use async_trait::async_trait;
+
+use crate::catalog::{Catalog, Override};
+use crate::error::{AdminError, ExtendError, RefundError, ReserveError, SettleError};
+use crate::model::ModelPrice;
+use crate::plan::Plan;
+use crate::reservation::{Granted, Reservation, ReservationId, ReserveRequest, ScopeStatus, Usage};
+use crate::scope::ScopeKey;
+use crate::shared::SharedLedger;
+use crate::units::{Amounts, Dimension, Timestamp};
+
+/// A source of the current instant.
+pub trait Clock: Send + Sync + 'static {
+    /// Now, in ms since the epoch.
+    fn now(&self) -> Timestamp;
+}
+
+/// A clock that moves only when told to: for tests and benchmarks.
+#[derive(Debug, Default)]
+pub struct ManualClock(AtomicU64);
+
+impl ManualClock {
+    /// A clock showing `at`.
+    pub fn new(at: Timestamp) -> Self {
+        ManualClock(AtomicU64::new(at.as_millis()))
+    }
+
+    /// Moves the clock forward by `ms`.
+    pub fn advance_ms(&self, ms: u64) {
+        self.0.fetch_add(ms, Ordering::SeqCst);
+    }
+
+    /// Sets the clock.
+    pub fn set(&self, at: Timestamp) {
+        self.0.store(at.as_millis(), Ordering::SeqCst);
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> Timestamp {
+        Timestamp::from_millis(self.0.load(Ordering::SeqCst))
+    }
+}
+
+/// A source of 128 random bits per reservation id.
+pub trait IdSource: Send + Sync + 'static {
+    /// 128 bits, at least 120 of them unpredictable in production.
+    fn next_random(&self) -> u128;
+}
+
+/// Deterministic ids (SplitMix64 from a seed): for tests and replays only —
+/// they are guessable.
+#[derive(Debug, Default)]
+pub struct SeededIds(AtomicU64);
+
+impl SeededIds {
+    /// Ids from `seed`.
+    pub fn new(seed: u64) -> Self {
+        SeededIds(AtomicU64::new(seed))
+    }
+}
+
+impl IdSource for SeededIds {
+    fn next_random(&self) -> u128 {
+        let mix = |mut z: u64| {
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        };
+        // Two golden-ratio steps per id (2 × 0x9e37_79b9_7f4a_7c15, wrapped).
+        let s = self.0.fetch_add(0x3c6e_f372_fe94_f82a, Ordering::Relaxed);
+        (u128::from(mix(s)) << 64) | u128::from(mix(s.wrapping_add(0x9e37_79b9_7f4a_7c15)))
+    }
+}
+
+/// A store could not answer: the outcome is unknown (HTTP 503). Retry a
+/// reserve with the same idempotency key, a settle or refund as is.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("store unavailable: {0}")]
+pub struct Unavailable(pub String);
+
+/// An operation's own error, or the store's failure to answer.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError<E> {
+    /// The ledger answered with a refusal or an error.
+    #[error(transparent)]
+    Rejected(E),
+    /// The store did not answer.
+    #[error(transparent)]
+    Unavailable(#[from] Unavailable),
+}
+
+/// An admin change to the catalog.
+#[derive(Clone, Debug)]
+pub enum CatalogChange {
+    /// Define or replace a plan.
+    SetPlan(Arc<Plan>),
+    /// Move a scope to a plan, or give it its own limits.
+    SetOverride(ScopeKey, Override),
+    /// Return a scope to its kind's default plan.
+    ClearOverride(ScopeKey),
+    /// Define or replace a model's prices.
+    SetModel(String, ModelPrice),
+}
+
+impl CatalogChange {
+    /// Applies the change to a catalog.
+    pub fn apply(&self, c: &mut Catalog) -> Result<(), AdminError> {
+        match self {
+            CatalogChange::SetPlan(p) => {
+                c.set_plan(p.clone());
+                Ok(())
+            }
+            CatalogChange::SetOverride(s, o) => c.set_override(s.clone(), o.clone()),
+            CatalogChange::ClearOverride(s) => {
+                if c.clear_override(s) {
+                    Ok(())
+                } else {
+                    Err(AdminError::NotFound(format!("an override for {s}")))
+                }
+            }
+            CatalogChange::SetModel(n, p) => c.set_model(n, p.clone()).map_err(AdminError::Invalid),
+        }
+    }
+}
+
+/// What a server needs from a ledger store. Every operation is atomic and
+/// linearizable; time and ids come from the store.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Holds `req.amounts` on every scope, all or nothing (or answers a dry run).
+    async fn reserve(&self, req: &ReserveRequest) -> Result<Granted, StoreError<ReserveError>>;
+    /// Records usage and releases the hold; idempotent.
+    async fn settle(
+        &self,
+        id: ReservationId,
+        usage: &Usage,
+    ) -> Result<Reservation, StoreError<SettleError>>;
+    /// Releases the hold, records nothing; idempotent.
+    async fn refund(&self, id: ReservationId) -> Result<Reservation, StoreError<RefundError>>;
+    /// Raises the hold and/or pushes the expiry out.
+    async fn extend(
+        &self,
+        id: ReservationId,
+        amounts: Option<&Amounts>,
+        ttl_ms: Option<u64>,
+    ) -> Result<Reservation, StoreError<ExtendError>>;
+    /// A reservation, expiry observed.
+    async fn get(&self, id: ReservationId) -> Result<Option<Reservation>, Unavailable>;
+    /// A scope's limits.
+    async fn status(&self, scope: &ScopeKey) -> Result<ScopeStatus, Unavailable>;
+    /// An admin credit or debit on a scope's `total` limits.
+    async fn adjust(
+        &self,
+        scope: &ScopeKey,
+        dimension: Dimension,
+        credit: i64,
+    ) -> Result<ScopeStatus, StoreError<AdminError>>;
+    /// The configuration in force.
+    async fn catalog(&self) -> Result<Arc<Catalog>, Unavailable>;
+    /// Changes the configuration, effective for the next operation.
+    async fn change_catalog(&self, change: &CatalogChange) -> Result<(), StoreError<AdminError>>;
+    /// Expires what is due (a background sweeper calls this); returns the
+    /// number of holds expired so far.
+    async fn expire_due(&self) -> Result<u64, Unavailable>;
+}
+
+/// The embedded, in-memory store: a [`SharedLedger`] with a clock and ids.
+pub struct EmbeddedStore {
+    ledger: SharedLedger,
+    clock: Arc<dyn Clock>,
+    ids: Arc<dyn IdSource>,
+}
+
+impl EmbeddedStore {
+    /// A store over a new ledger.
+    pub fn new(
+        catalog: Catalog,
+        shards: usize,
+        clock: Arc<dyn Clock>,
+        ids: Arc<dyn IdSource>,
+    ) -> Self {
+        EmbeddedStore {
+            ledger: SharedLedger::new(catalog, shards),
+            clock,
+            ids,
+        }
+    }
+
+    /// The ledger inside.
+    pub fn ledger(&self) -> &SharedLedger {
+        &self.ledger
+    }
+}
+
+#[async_trait]
+impl Store for EmbeddedStore {
+    async fn reserve(&self, req: &ReserveRequest) -> Result<Granted, StoreError<ReserveError>> {
+        let id = ReservationId::mint(self.ids.next_random(), req.scopes.tenant_name());
+        self.ledger
+            .reserve(self.clock.now(), id, req)
+            .map_err(StoreError::Rejected)
+    }
+
+    async fn settle(
+        &self,
+        id: ReservationId,
+        usage: &Usage,
+    ) -> Result<Reservation, StoreError<SettleError>> {
+        self.ledger
+            .settle_view(self.clock.now(), id, usage)
+            .map_err(StoreError::Rejected)
+    }
+
+    async fn refund(&self, id: ReservationId) -> Result<Reservation, StoreError<RefundError>> {
+        self.ledger
+            .refund_view(self.clock.now(), id)
+            .map_err(StoreError::Rejected)
+    }
+
+    async fn extend(
+        &self,
+        id: ReservationId,
+        amounts: Option<&Amounts>,
+        ttl_ms: Option<u64>,
+    ) -> Result<Reservation, StoreError<ExtendError>> {
+        self.ledger
+            .extend_view(self.clock.now(), id, amounts, ttl_ms)
+            .map_err(StoreError::Rejected)
+    }
+
+    async fn get(&self, id: ReservationId) -> Result<Option<Reservation>, Unavailable> {
+        Ok(self.ledger.get(self.clock.now(), id))
+    }
+
+    async fn status(&self, scope: &ScopeKey) -> Result<ScopeStatus, Unavailable> {
+        Ok(self.ledger.status(self.clock.now(), scope))
+    }
+
+    async fn adjust(
+        &self,
+        scope: &ScopeKey,
+        dimension: Dimension,
+        credit: i64,
+    ) -> Result<ScopeStatus, StoreError<AdminError>> {
+        self.ledger
+            .adjust(self.clock.now(), scope, dimension, credit)
+            .map_err(StoreError::Rejected)
+    }
+
+    async fn catalog(&self) -> Result<Arc<Catalog>, Unavailable> {
+        Ok(self.ledger.catalog())
+    }
+
+    async fn change_catalog(&self, change: &CatalogChange) -> Result<(), StoreError<AdminError>> {
+        self.ledger
+            .update_catalog(|c| change.apply(c))
+            .map_err(StoreError::Rejected)
+    }
+
+    async fn expire_due(&self) -> Result<u64, Unavailable> {
+        Ok(self.ledger.expire_due(self.clock.now()))
+    }
+}
