@@ -59,8 +59,16 @@ impl Router {
 
     /// The shards a scope set touches, ascending (the lock order).
     pub(crate) fn shards_of(&self, scopes: &ScopeSet) -> SmallVec<[usize; 4]> {
-        let mut v: SmallVec<[usize; 4]> =
-            scopes.as_slice().iter().map(|k| self.of_scope(k)).collect();
+        // Tenant-namespaced scopes all live in the tenant's shard: only
+        // shared scopes need hashing.
+        let home = self.of_tenant(scopes.tenant_name());
+        let mut v: SmallVec<[usize; 4]> = smallvec::smallvec![home];
+        v.extend(
+            scopes.as_slice()[1..]
+                .iter()
+                .filter(|k| k.is_shared())
+                .map(|k| self.of_scope(k)),
+        );
         v.sort_unstable();
         v.dedup();
         v
@@ -286,6 +294,15 @@ impl<'a> Locked<'a> {
         &mut *self.parts[i].1
     }
 
+    /// The locked shard that owns `key` (no routing when only one is locked).
+    fn scope_part(&mut self, key: &ScopeKey) -> &mut ShardState {
+        if self.parts.len() == 1 {
+            return &mut *self.parts[0].1;
+        }
+        let s = self.router.of_scope(key);
+        self.part(s)
+    }
+
     fn home(&mut self) -> &mut ShardState {
         let h = self.home;
         self.part(h)
@@ -334,15 +351,14 @@ impl<'a> Locked<'a> {
         only_positive: bool,
     ) -> Option<Box<Denial>> {
         let catalog = self.catalog;
-        let router = self.router;
         let mut best: Option<Candidate> = None;
         for (i, key) in scopes.as_slice().iter().enumerate() {
-            let st = self.part(router.of_scope(key)).scope_mut(catalog, key, now);
+            let st = self.scope_part(key).scope_mut(catalog, key, now);
             check_scope(st, i, now, requested, only_positive, &mut best);
         }
         let c = best?;
         let key = &scopes.as_slice()[c.scope];
-        let st = self.part(router.of_scope(key)).scope_mut(catalog, key, now);
+        let st = self.scope_part(key).scope_mut(catalog, key, now);
         let l = &st.plan.limits()[c.limit];
         let what = (l.dimension(), l.window().clone());
         Some(self.denial(scopes, c, what))
@@ -350,10 +366,9 @@ impl<'a> Locked<'a> {
 
     fn remaining(&mut self, scopes: &ScopeSet, now: u64) -> Vec<Remaining> {
         let catalog = self.catalog;
-        let router = self.router;
         let mut out = Vec::new();
         for key in scopes.as_slice() {
-            let st = self.part(router.of_scope(key)).scope_mut(catalog, key, now);
+            let st = self.scope_part(key).scope_mut(catalog, key, now);
             report_scope(catalog, key, st, now, &mut out);
         }
         out
@@ -499,11 +514,12 @@ impl<'a> Locked<'a> {
         let home_shard = self.parts[self.home].0;
         let mut home_slot = NO_SLOT;
         let mut multi_shard = false;
+        let single = self.parts.len() == 1;
         for pi in 0..self.parts.len() {
             let shard = self.parts[pi].0;
             let mut local = 0u32;
             for (i, k) in req.scopes.as_slice().iter().enumerate() {
-                if router.of_scope(k) == shard {
+                if single || router.of_scope(k) == shard {
                     local |= 1 << i;
                 }
             }
@@ -677,9 +693,8 @@ impl<'a> Locked<'a> {
         if status == Status::Held {
             self.release_all(id, now);
         }
-        let router = self.router;
         for key in scopes.as_slice() {
-            let st = self.part(router.of_scope(key)).scope_mut(catalog, key, now);
+            let st = self.scope_part(key).scope_mut(catalog, key, now);
             for li in 0..st.plan.limits().len() {
                 let dim = st.plan.limits()[li].dimension();
                 let amount = match dim {
@@ -814,8 +829,7 @@ impl<'a> Locked<'a> {
     pub(crate) fn status(&mut self, now: Timestamp, key: &ScopeKey) -> ScopeStatus {
         let now = self.observe(now);
         let catalog = self.catalog;
-        let shard = self.router.of_scope(key);
-        let part = self.part(shard);
+        let part = self.scope_part(key);
         // A scope never used answers its plan with zero use, and is not created.
         let mut fresh;
         let st = match part.scopes.get_mut(key.as_str()) {
@@ -858,8 +872,7 @@ impl<'a> Locked<'a> {
                 catalog.dimension_name(dim)
             )));
         }
-        let shard = self.router.of_scope(key);
-        let part = self.part(shard);
+        let part = self.scope_part(key);
         let st = part.scope_mut(catalog, key, now);
         for li in 0..st.plan.limits().len() {
             if st.plan.limits()[li].dimension() == dim {

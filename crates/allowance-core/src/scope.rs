@@ -159,6 +159,12 @@ impl Hash for ScopeKey {
     }
 }
 
+impl From<&ScopeKey> for ScopeKey {
+    fn from(k: &ScopeKey) -> Self {
+        k.clone()
+    }
+}
+
 impl Borrow<str> for ScopeKey {
     fn borrow(&self) -> &str {
         &self.0

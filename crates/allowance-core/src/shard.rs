@@ -243,7 +243,7 @@ pub(crate) struct Record {
 /// Everything one shard owns.
 #[derive(Debug, Default)]
 pub(crate) struct ShardState {
-    pub(crate) scopes: HashMap<ScopeKey, ScopeState, RandomState>,
+    pub(crate) scopes: hashbrown::HashMap<ScopeKey, ScopeState, RandomState>,
     pub(crate) records: HashMap<ReservationId, Record, RandomState>,
     pub(crate) holds: Vec<Option<Hold>>,
     pub(crate) free_slots: Vec<u32>,
@@ -289,9 +289,9 @@ impl ShardState {
         now_ms: u64,
     ) -> &mut ScopeState {
         let ShardState { scopes, gc, .. } = self;
-        let st = scopes.entry_ref_or_insert(key, || {
-            ScopeState::new(catalog.plan_for(key).clone(), catalog.epoch())
-        });
+        let st = scopes
+            .entry_ref(key)
+            .or_insert_with(|| ScopeState::new(catalog.plan_for(key).clone(), catalog.epoch()));
         st.sync(catalog, key);
         st.advance(now_ms);
         if !st.gc_queued && st.held_count == 0 {
@@ -329,8 +329,7 @@ impl ShardState {
         };
         hold.holder_pos = smallvec::smallvec![NO_SLOT; hold.scopes.len()];
         let expires = hold.expires_ms;
-        let locals: SmallVec<[(usize, ScopeKey); 4]> =
-            hold.local_scopes().map(|(i, k)| (i, k.clone())).collect();
+        let (scope_set, local) = (hold.scopes.clone(), hold.local);
         let amounts = hold.amounts.clone();
         self.holds[slot as usize] = Some(hold);
         let ShardState {
@@ -347,9 +346,12 @@ impl ShardState {
             },
             &mut Self::set_heap_pos(holds),
         );
-        for (i, key) in locals {
+        for (i, key) in scope_set.as_slice().iter().enumerate() {
+            if local & (1 << i) == 0 {
+                continue;
+            }
             let st = scopes
-                .get_mut(&key)
+                .get_mut(key)
                 .expect("the check created every scope it held");
             st.held_count += 1;
             let extra = st.extra.get_or_insert_with(Default::default);
@@ -571,28 +573,5 @@ impl ShardState {
         plan.limits()
             .iter()
             .any(|l| l.dimension() == dim && kind(l.window()))
-    }
-}
-
-/// `HashMap::entry` without cloning the key when it is present.
-trait EntryRef {
-    fn entry_ref_or_insert(
-        &mut self,
-        key: &ScopeKey,
-        make: impl FnOnce() -> ScopeState,
-    ) -> &mut ScopeState;
-}
-
-impl EntryRef for HashMap<ScopeKey, ScopeState, RandomState> {
-    fn entry_ref_or_insert(
-        &mut self,
-        key: &ScopeKey,
-        make: impl FnOnce() -> ScopeState,
-    ) -> &mut ScopeState {
-        if !self.contains_key(key.as_str()) {
-            self.insert(key.clone(), make());
-        }
-        self.get_mut(key.as_str())
-            .expect("present or just inserted")
     }
 }

@@ -162,20 +162,26 @@ impl SharedLedger {
     fn with_reservation<R>(&self, id: ReservationId, f: impl FnOnce(&mut Locked<'_>) -> R) -> R {
         let home = self.router.of_id(id);
         let scopes = {
-            let g = self.shards[home].0.lock();
+            let mut g = self.shards[home].0.lock();
             match g.st.records.get(&id) {
-                Some(r) if r.multi_shard => Some(r.res.scopes.clone()),
-                _ => None,
+                Some(r) if r.multi_shard => r.res.scopes.clone(),
+                // The common case: everything lives in the home shard, already locked.
+                _ => {
+                    let Shard { catalog, st } = &mut *g;
+                    let mut locked = Locked {
+                        catalog,
+                        parts: smallvec::smallvec![(home, st)],
+                        home: 0,
+                        router: self.router,
+                    };
+                    return f(&mut locked);
+                }
             }
         };
-        match scopes {
-            // A reservation's scopes never change, so the set found here stays right.
-            Some(scopes) => {
-                let shards = self.router.shards_of(&scopes);
-                self.with_shards(&shards, home, f)
-            }
-            None => self.with_shards(&[home], home, f),
-        }
+        // A reservation's scopes never change, so the set found here stays
+        // right after the home lock is dropped to take all locks in order.
+        let shards = self.router.shards_of(&scopes);
+        self.with_shards(&shards, home, f)
     }
 
     /// Holds `req.amounts` on every scope, all or nothing. `id` must be made
