@@ -2,7 +2,11 @@
 //! reservation settings — everything the ledger is configured with, and that
 //! an admin may change at run time (effective for the next operation).
 
-use std::collections::HashMap;
+use std::collections::HashMap as StdHashMap;
+
+/// Catalog maps are read on every plan resolution: a fast hash (foldhash,
+/// randomly seeded, so tenant-chosen names cannot aim at collisions).
+type HashMap<K, V> = StdHashMap<K, V, foldhash::fast::RandomState>;
 use std::sync::Arc;
 
 use crate::error::{AdminError, Invalid};
@@ -127,7 +131,7 @@ impl Catalog {
     /// A catalog with only the `tenant` kind (no limits) and these settings.
     pub fn new(settings: Settings) -> Result<Catalog, Invalid> {
         settings.validate()?;
-        let mut kinds = HashMap::new();
+        let mut kinds = HashMap::default();
         kinds.insert(
             TENANT_KIND.to_string(),
             KindSpec {
@@ -138,9 +142,9 @@ impl Catalog {
         Ok(Catalog {
             settings,
             kinds,
-            plans: HashMap::new(),
-            overrides: HashMap::new(),
-            models: HashMap::new(),
+            plans: HashMap::default(),
+            overrides: HashMap::default(),
+            models: HashMap::default(),
             custom_dimensions: Vec::new(),
             unlimited: Plan::unlimited(),
             epoch: 1,

@@ -33,9 +33,12 @@ pub(crate) fn check_shard(shard: usize, st: &ShardState) -> Result<(), String> {
             return fail(format!("hold {slot}: expiry heap position is wrong"));
         }
         for (i, key) in hold.local_scopes() {
-            let Some(sc) = st.scopes.get(key.as_str()) else {
+            let Some(sc) = st.scope_get(key) else {
                 return fail(format!("hold {slot} holds on {key}, which does not exist"));
             };
+            if st.index.get(key) != Some(&hold.slots[i]) {
+                return fail(format!("hold {slot}: the slot of {key} is stale"));
+            }
             let pos = hold.holder_pos[i] as usize;
             let entry = sc
                 .extra
@@ -86,7 +89,15 @@ pub(crate) fn check_shard(shard: usize, st: &ShardState) -> Result<(), String> {
     if st.foreign.len() != st.holds.iter().flatten().filter(|h| h.foreign).count() {
         return fail("the foreign index counts holds that do not exist".into());
     }
-    for (key, sc) in &st.scopes {
+    if st.index.len() + st.free_scopes.len() != st.scopes.len()
+        || st.scopes.iter().filter(|s| s.is_some()).count() != st.index.len()
+    {
+        return fail("the scope index and the scope table disagree".into());
+    }
+    for (key, &slot) in &st.index {
+        let Some(sc) = st.scopes.get(slot as usize).and_then(|s| s.as_ref()) else {
+            return fail(format!("{key} points at an empty slot {slot}"));
+        };
         let (count, amounts) = per_scope.remove(key.as_str()).unwrap_or_default();
         // held equals the sum over its HELD reservations of their held amounts.
         if sc.held_count != count {
@@ -98,7 +109,7 @@ pub(crate) fn check_shard(shard: usize, st: &ShardState) -> Result<(), String> {
         let held = sc
             .extra
             .as_ref()
-            .map(|e| e.held.clone())
+            .map(|e| e.held.to_amounts())
             .unwrap_or_default();
         if held != amounts {
             return fail(format!(

@@ -142,7 +142,7 @@ impl Ledger {
 
     /// Number of scopes with state in memory.
     pub fn scope_count(&self) -> usize {
-        self.shard.st.scopes.len()
+        self.shard.st.index.len()
     }
 
     /// Number of reservations remembered (held, and ended within retention).
@@ -158,11 +158,15 @@ impl Ledger {
     /// Bytes of heap the scopes' states use, beyond the map's own table
     /// (for the memory benchmark).
     pub fn scope_heap_bytes(&self) -> usize {
-        self.shard
-            .st
-            .scopes
+        let st = &self.shard.st;
+        st.index
             .iter()
-            .map(|(k, s)| k.as_str().len() + 16 + s.heap_bytes())
+            .map(|(k, &slot)| {
+                let state = st.scopes[slot as usize]
+                    .as_ref()
+                    .map_or(0, |s| s.heap_bytes());
+                k.as_str().len() + 16 + state
+            })
             .sum()
     }
 

@@ -303,9 +303,10 @@ impl<'a> Locked<'a> {
         self.part(s)
     }
 
+    /// The tenant's shard (`home` is its position among the locked parts).
     fn home(&mut self) -> &mut ShardState {
         let h = self.home;
-        self.part(h)
+        &mut *self.parts[h].1
     }
 
     /// Observes `now` on every locked shard; returns the instant used (no
@@ -343,22 +344,33 @@ impl<'a> Locked<'a> {
     }
 
     /// Checks `requested` against every scope; the binding denial if any.
+    /// `slots` receives each scope's slot in the shard that owns it.
     fn check(
         &mut self,
         scopes: &ScopeSet,
         now: u64,
         requested: &impl Fn(Dimension) -> u64,
         only_positive: bool,
+        slots: &mut SmallVec<[u32; 8]>,
     ) -> Option<Box<Denial>> {
         let catalog = self.catalog;
         let mut best: Option<Candidate> = None;
         for (i, key) in scopes.as_slice().iter().enumerate() {
-            let st = self.scope_part(key).scope_mut(catalog, key, now);
-            check_scope(st, i, now, requested, only_positive, &mut best);
+            let part = self.scope_part(key);
+            let slot = part.scope_slot(catalog, key, now);
+            slots.push(slot);
+            check_scope(
+                part.scope_at(slot),
+                i,
+                now,
+                requested,
+                only_positive,
+                &mut best,
+            );
         }
         let c = best?;
         let key = &scopes.as_slice()[c.scope];
-        let st = self.scope_part(key).scope_mut(catalog, key, now);
+        let st = self.scope_part(key).scope_at(slots[c.scope]);
         let l = &st.plan.limits()[c.limit];
         let what = (l.dimension(), l.window().clone());
         Some(self.denial(scopes, c, what))
@@ -492,38 +504,57 @@ impl<'a> Locked<'a> {
 
         // 3. Every limit of every scope.
         let requested = |d: Dimension| if d.is_implied() { 1 } else { held.get(d) };
-        if let Some(denial) = self.check(&req.scopes, now, &requested, false) {
+        let mut slots = SmallVec::new();
+        if let Some(denial) = self.check(&req.scopes, now, &requested, false, &mut slots) {
             return Err(ReserveError::Denied(denial));
         }
         let expires_ms = now.saturating_add(ttl_ms);
         if req.dry_run {
+            // Exactly what the reserve would answer: the room after this hold.
+            let expires_at = Timestamp::from_millis(expires_ms);
+            let mut remaining = self.remaining(&req.scopes, now);
+            for r in &mut remaining {
+                let asked = catalog.dimension(&r.dimension).map_or(0, &requested);
+                r.remaining = sat_i64(i128::from(r.remaining) - i128::from(asked));
+                if r.window == WindowKind::Concurrent {
+                    r.resets_at = Some(r.resets_at.map_or(expires_at, |e| e.min(expires_at)));
+                }
+            }
             return Ok(Granted {
                 id,
                 status: Status::Held,
                 replayed: false,
                 dry_run: true,
                 held,
-                expires_at: Timestamp::from_millis(expires_ms),
-                remaining: self.remaining(&req.scopes, now),
+                expires_at,
+                remaining,
             });
         }
 
         // 4. Nothing can fail past this point.
         let router = self.router;
-        let overrun = catalog.plan_for(req.scopes.tenant()).overrun();
+        // The tenant's plan governs the whole reservation (its scope is first, at home).
+        let overrun = self.home().scope_at(slots[0]).plan.overrun();
         let home_shard = self.parts[self.home].0;
         let mut home_slot = NO_SLOT;
         let mut multi_shard = false;
         let single = self.parts.len() == 1;
         for pi in 0..self.parts.len() {
             let shard = self.parts[pi].0;
-            let mut local = 0u32;
-            for (i, k) in req.scopes.as_slice().iter().enumerate() {
-                if single || router.of_scope(k) == shard {
-                    local |= 1 << i;
-                }
-            }
-            if local == 0 {
+            let hold_slots: SmallVec<[u32; 4]> = req
+                .scopes
+                .as_slice()
+                .iter()
+                .enumerate()
+                .map(|(i, k)| {
+                    if single || router.of_scope(k) == shard {
+                        slots[i]
+                    } else {
+                        NO_SLOT
+                    }
+                })
+                .collect();
+            if hold_slots.iter().all(|&s| s == NO_SLOT) {
                 continue;
             }
             let foreign = shard != home_shard;
@@ -533,7 +564,7 @@ impl<'a> Locked<'a> {
                 owner: id,
                 foreign,
                 scopes: req.scopes.clone(),
-                local,
+                slots: hold_slots,
                 amounts: held.clone(),
                 expires_ms,
                 heap_pos: NO_SLOT,
@@ -691,20 +722,24 @@ impl<'a> Locked<'a> {
 
         // 3. Nothing can fail past this point.
         if status == Status::Held {
-            self.release_all(id, now);
-        }
-        for key in scopes.as_slice() {
-            let st = self.scope_part(key).scope_mut(catalog, key, now);
-            for li in 0..st.plan.limits().len() {
-                let dim = st.plan.limits()[li].dimension();
-                let amount = match dim {
-                    Dimension::REQUESTS => 1,
-                    Dimension::CONCURRENT => 0,
-                    d => charged.get(d),
+            // The holds know their scopes' slots: record there, then release.
+            for pi in 0..self.parts.len() {
+                let part = &mut *self.parts[pi].1;
+                let slot = if pi == self.home {
+                    part.records.get(&id).map_or(NO_SLOT, |r| r.hold_slot)
+                } else {
+                    part.foreign.get(&id).copied().unwrap_or(NO_SLOT)
                 };
-                if amount > 0 {
-                    st.record(li, now, amount);
+                if slot != NO_SLOT {
+                    part.record_on_hold(slot, now, &charged);
                 }
+            }
+            self.release_all(id, now);
+        } else {
+            for key in scopes.as_slice() {
+                self.scope_part(key)
+                    .scope_mut(catalog, key, now)
+                    .record_all(now, &charged);
             }
         }
         let home = self.home();
@@ -788,7 +823,8 @@ impl<'a> Locked<'a> {
         };
         if !delta.is_empty() {
             let requested = |d: Dimension| if d.is_implied() { 0 } else { delta.get(d) };
-            if let Some(denial) = self.check(&scopes, now, &requested, true) {
+            let mut slots = SmallVec::new();
+            if let Some(denial) = self.check(&scopes, now, &requested, true, &mut slots) {
                 return Err(ExtendError::Denied(denial));
             }
         }
@@ -832,8 +868,10 @@ impl<'a> Locked<'a> {
         let part = self.scope_part(key);
         // A scope never used answers its plan with zero use, and is not created.
         let mut fresh;
-        let st = match part.scopes.get_mut(key.as_str()) {
-            Some(st) => {
+        let slot = part.index.get(key).copied();
+        let st = match slot {
+            Some(slot) => {
+                let st = part.scope_at(slot);
                 st.sync(catalog, key);
                 st.advance(now);
                 st

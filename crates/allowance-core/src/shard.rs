@@ -27,12 +27,71 @@ use crate::window::{self, State};
 /// A slot that holds nothing.
 pub(crate) const NO_SLOT: u32 = u32::MAX;
 
-/// What a scope holds beyond its windows; only scopes with holds (or wide
-/// slices) pay for it.
+/// Held amounts of one scope: the four counted built-in dimensions in a
+/// fixed array (the hot path), custom dimensions sparse.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Held {
+    builtin: [u64; 4],
+    custom: Amounts,
+}
+
+impl Held {
+    fn slot(dim: Dimension) -> Option<usize> {
+        (2..6).contains(&dim.index()).then(|| dim.index() - 2)
+    }
+
+    pub(crate) fn get(&self, dim: Dimension) -> u64 {
+        match Self::slot(dim) {
+            Some(i) => self.builtin[i],
+            None => self.custom.get(dim),
+        }
+    }
+
+    pub(crate) fn add(&mut self, amounts: &Amounts) {
+        for (d, a) in amounts.iter() {
+            match Self::slot(d) {
+                Some(i) => self.builtin[i] = self.builtin[i].saturating_add(a),
+                None => {
+                    let v = self.custom.get(d).saturating_add(a);
+                    self.custom.set(d, v);
+                }
+            }
+        }
+    }
+
+    pub(crate) fn sub(&mut self, amounts: &Amounts) {
+        for (d, a) in amounts.iter() {
+            match Self::slot(d) {
+                Some(i) => self.builtin[i] = self.builtin[i].saturating_sub(a),
+                None => {
+                    let v = self.custom.get(d).saturating_sub(a);
+                    self.custom.set(d, v);
+                }
+            }
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.builtin == [0; 4] && self.custom.is_empty()
+    }
+
+    pub(crate) fn to_amounts(&self) -> Amounts {
+        let mut a = self.custom.clone();
+        for (i, v) in self.builtin.iter().enumerate() {
+            a.set(Dimension(i as u16 + 2), *v);
+        }
+        a
+    }
+}
+
+/// What a scope holds beyond its windows; only scopes that held something
+/// recently (or have wide slices) pay for it. It stays allocated while the
+/// scope is busy and is trimmed when the scope is found idle, so a hot scope
+/// does not allocate on every reservation.
 #[derive(Debug, Default)]
 pub(crate) struct Extra {
     /// Held amounts per dimension (implied dimensions are `held_count`).
-    pub(crate) held: Amounts,
+    pub(crate) held: Held,
     /// The expiries of the holds on this scope, for "the earliest of the
     /// scope's HELD reservations expires" (retry_after, resets_at).
     pub(crate) holders: IndexedHeap,
@@ -130,7 +189,11 @@ impl ScopeState {
     /// Advances every window to `now_ms`.
     pub(crate) fn advance(&mut self, now_ms: u64) {
         let from = self.words[0];
-        if now_ms <= from {
+        // Not `<=`: at the same instant a window may still be unset (a
+        // calendar limit added by a plan change, or any scope at the epoch,
+        // has no window end yet); advancing to the same instant is a no-op
+        // for every window that is set.
+        if now_ms < from {
             return;
         }
         for i in 0..self.plan.limits().len() {
@@ -157,15 +220,38 @@ impl ScopeState {
 
     /// Records usage of `amount` on limit `i` at `now_ms`.
     pub(crate) fn record(&mut self, i: usize, now_ms: u64, amount: u64) {
-        let s = self.state(i);
-        if s.needs_wide(now_ms, amount) {
-            let w = s.widen();
+        let has_wide = self.extra.as_ref().is_some_and(|e| !e.wide.is_empty());
+        if !has_wide {
+            let s = self.state(i);
+            if s.needs_wide(now_ms, amount) {
+                let w = s.widen();
+                self.extra
+                    .get_or_insert_with(Default::default)
+                    .wide
+                    .push((i as u8, w));
+            }
+        } else if self.state(i).needs_wide(now_ms, amount) {
+            let w = self.state(i).widen();
             self.extra
                 .get_or_insert_with(Default::default)
                 .wide
                 .push((i as u8, w));
         }
         self.state(i).record(now_ms, amount);
+    }
+
+    /// Records a settle's charged amounts on every limit (`requests` = 1).
+    pub(crate) fn record_all(&mut self, now_ms: u64, charged: &Amounts) {
+        for li in 0..self.plan.limits().len() {
+            let amount = match self.plan.limits()[li].dimension() {
+                Dimension::REQUESTS => 1,
+                Dimension::CONCURRENT => 0,
+                d => charged.get(d),
+            };
+            if amount > 0 {
+                self.record(li, now_ms, amount);
+            }
+        }
     }
 
     /// Drops the extra part once it holds nothing.
@@ -197,9 +283,6 @@ impl ScopeState {
     }
 }
 
-/// A local scope of a hold: its index, key and position in its holders.
-type HolderAt = (usize, ScopeKey, u32);
-
 /// A hold of one reservation on the scopes of one shard.
 #[derive(Debug)]
 pub(crate) struct Hold {
@@ -207,8 +290,10 @@ pub(crate) struct Hold {
     /// Whether the reservation lives in another shard.
     pub(crate) foreign: bool,
     pub(crate) scopes: ScopeSet,
-    /// Which of `scopes` this shard owns (bit i: scope i).
-    pub(crate) local: u32,
+    /// For each of `scopes`, its slot in this shard's scope table, or
+    /// `NO_SLOT` when another shard owns it. Slots stay valid while the hold
+    /// lives: a scope with holds is never dropped.
+    pub(crate) slots: SmallVec<[u32; 4]>,
     pub(crate) amounts: Amounts,
     pub(crate) expires_ms: u64,
     pub(crate) heap_pos: u32,
@@ -217,12 +302,18 @@ pub(crate) struct Hold {
 }
 
 impl Hold {
-    pub(crate) fn local_scopes(&self) -> impl Iterator<Item = (usize, &ScopeKey)> + '_ {
-        self.scopes
-            .as_slice()
+    /// The local scopes: (index in the set, slot).
+    pub(crate) fn local_slots(&self) -> impl Iterator<Item = (usize, u32)> + '_ {
+        self.slots
             .iter()
+            .copied()
             .enumerate()
-            .filter(|(i, _)| self.local & (1 << i) != 0)
+            .filter(|&(_, s)| s != NO_SLOT)
+    }
+
+    pub(crate) fn local_scopes(&self) -> impl Iterator<Item = (usize, &ScopeKey)> + '_ {
+        self.local_slots()
+            .map(|(i, _)| (i, &self.scopes.as_slice()[i]))
     }
 }
 
@@ -243,7 +334,11 @@ pub(crate) struct Record {
 /// Everything one shard owns.
 #[derive(Debug, Default)]
 pub(crate) struct ShardState {
-    pub(crate) scopes: hashbrown::HashMap<ScopeKey, ScopeState, RandomState>,
+    /// Scope name → slot in `scopes`: one hash per scope per operation;
+    /// holds and the rest of the operation use the slot.
+    pub(crate) index: hashbrown::HashMap<ScopeKey, u32, RandomState>,
+    pub(crate) scopes: Vec<Option<ScopeState>>,
+    pub(crate) free_scopes: Vec<u32>,
     pub(crate) records: HashMap<ReservationId, Record, RandomState>,
     pub(crate) holds: Vec<Option<Hold>>,
     pub(crate) free_slots: Vec<u32>,
@@ -279,46 +374,86 @@ pub(crate) fn idempotency_key(tenant: &str, key: &str) -> Box<str> {
     s.into()
 }
 
+fn set_heap_pos(holds: &mut [Option<Hold>]) -> impl FnMut(u32, u8, u32) + '_ {
+    move |slot, _tag, pos| {
+        if let Some(Some(h)) = holds.get_mut(slot as usize) {
+            h.heap_pos = pos;
+        }
+    }
+}
+
+fn set_holder_pos(holds: &mut [Option<Hold>]) -> impl FnMut(u32, u8, u32) + '_ {
+    move |slot, tag, pos| {
+        if let Some(Some(h)) = holds.get_mut(slot as usize) {
+            h.holder_pos[usize::from(tag)] = pos;
+        }
+    }
+}
+
+fn live(scopes: &mut [Option<ScopeState>], slot: u32) -> &mut ScopeState {
+    scopes[slot as usize]
+        .as_mut()
+        .expect("a scope slot held by a live hold")
+}
+
 impl ShardState {
-    /// The scope's state, created fresh if absent, on its current plan and
-    /// advanced to `now_ms`.
-    pub(crate) fn scope_mut(
-        &mut self,
-        catalog: &Catalog,
-        key: &ScopeKey,
-        now_ms: u64,
-    ) -> &mut ScopeState {
-        let ShardState { scopes, gc, .. } = self;
-        let st = scopes
-            .entry_ref(key)
-            .or_insert_with(|| ScopeState::new(catalog.plan_for(key).clone(), catalog.epoch()));
+    /// The scope's slot, its state created fresh if absent, on its current
+    /// plan and advanced to `now_ms`.
+    pub(crate) fn scope_slot(&mut self, catalog: &Catalog, key: &ScopeKey, now_ms: u64) -> u32 {
+        let ShardState {
+            index,
+            scopes,
+            free_scopes,
+            gc,
+            ..
+        } = self;
+        let slot = *index.entry_ref(key).or_insert_with(|| {
+            let st = ScopeState::new(catalog.plan_for(key).clone(), catalog.epoch());
+            match free_scopes.pop() {
+                Some(s) => {
+                    scopes[s as usize] = Some(st);
+                    s
+                }
+                None => {
+                    scopes.push(Some(st));
+                    (scopes.len() - 1) as u32
+                }
+            }
+        });
+        let st = live(scopes, slot);
         st.sync(catalog, key);
         st.advance(now_ms);
         if !st.gc_queued && st.held_count == 0 {
             st.gc_queued = true;
             gc.push(Reverse((now_ms, key.clone())));
         }
-        st
+        slot
     }
 
-    fn set_heap_pos(holds: &mut [Option<Hold>]) -> impl FnMut(u32, u8, u32) + '_ {
-        move |slot, _tag, pos| {
-            if let Some(Some(h)) = holds.get_mut(slot as usize) {
-                h.heap_pos = pos;
-            }
-        }
+    /// The state in a slot.
+    pub(crate) fn scope_at(&mut self, slot: u32) -> &mut ScopeState {
+        live(&mut self.scopes, slot)
     }
 
-    fn set_holder_pos(holds: &mut [Option<Hold>]) -> impl FnMut(u32, u8, u32) + '_ {
-        move |slot, tag, pos| {
-            if let Some(Some(h)) = holds.get_mut(slot as usize) {
-                h.holder_pos[usize::from(tag)] = pos;
-            }
-        }
+    /// [`ShardState::scope_slot`], then the state.
+    pub(crate) fn scope_mut(
+        &mut self,
+        catalog: &Catalog,
+        key: &ScopeKey,
+        now_ms: u64,
+    ) -> &mut ScopeState {
+        let slot = self.scope_slot(catalog, key, now_ms);
+        self.scope_at(slot)
     }
 
-    /// Adds a hold on this shard's scopes (which exist: the check created
-    /// them). Returns its slot.
+    /// The state of an existing scope, without touching it.
+    pub(crate) fn scope_get(&self, key: &ScopeKey) -> Option<&ScopeState> {
+        let slot = *self.index.get(key)?;
+        self.scopes.get(slot as usize)?.as_ref()
+    }
+
+    /// Adds a hold on this shard's scopes (their slots, from the check, are
+    /// in `hold.slots`). Returns its slot.
     pub(crate) fn add_hold(&mut self, mut hold: Hold) -> u32 {
         let slot = match self.free_slots.pop() {
             Some(s) => s,
@@ -327,46 +462,40 @@ impl ShardState {
                 (self.holds.len() - 1) as u32
             }
         };
-        hold.holder_pos = smallvec::smallvec![NO_SLOT; hold.scopes.len()];
+        hold.holder_pos = smallvec::smallvec![NO_SLOT; hold.slots.len()];
         let expires = hold.expires_ms;
-        let (scope_set, local) = (hold.scopes.clone(), hold.local);
-        let amounts = hold.amounts.clone();
-        self.holds[slot as usize] = Some(hold);
         let ShardState {
             scopes,
             holds,
             expiry,
             ..
         } = self;
+        for (_, s) in hold.local_slots() {
+            let st = live(scopes, s);
+            st.held_count += 1;
+            st.extra
+                .get_or_insert_with(Default::default)
+                .held
+                .add(&hold.amounts);
+        }
+        let locals: SmallVec<[(usize, u32); 4]> = hold.local_slots().collect();
+        holds[slot as usize] = Some(hold);
         expiry.push(
             Entry {
                 due_ms: expires,
                 slot,
                 tag: 0,
             },
-            &mut Self::set_heap_pos(holds),
+            &mut set_heap_pos(holds),
         );
-        for (i, key) in scope_set.as_slice().iter().enumerate() {
-            if local & (1 << i) == 0 {
-                continue;
-            }
-            let st = scopes
-                .get_mut(key)
-                .expect("the check created every scope it held");
-            st.held_count += 1;
-            let extra = st.extra.get_or_insert_with(Default::default);
-            for (d, a) in amounts.iter() {
-                let v = extra.held.get(d).saturating_add(a);
-                extra.held.set(d, v);
-            }
-            extra.holders.push(
-                Entry {
-                    due_ms: expires,
-                    slot,
-                    tag: i as u8,
-                },
-                &mut Self::set_holder_pos(holds),
-            );
+        for (i, s) in locals {
+            let extra = live(scopes, s).extra.as_mut().expect("made above");
+            let entry = Entry {
+                due_ms: expires,
+                slot,
+                tag: i as u8,
+            };
+            extra.holders.push(entry, &mut set_holder_pos(holds));
         }
         slot
     }
@@ -382,31 +511,37 @@ impl ShardState {
             free_slots,
             ..
         } = self;
-        expiry.remove(hold.heap_pos, &mut Self::set_heap_pos(holds));
-        for (i, key) in hold.local_scopes() {
-            let Some(st) = scopes.get_mut(key.as_str()) else {
-                continue;
-            };
+        expiry.remove(hold.heap_pos, &mut set_heap_pos(holds));
+        for (i, s) in hold.local_slots() {
+            let st = live(scopes, s);
             st.held_count -= 1;
             if let Some(extra) = st.extra.as_mut() {
-                for (d, a) in hold.amounts.iter() {
-                    let v = extra.held.get(d).saturating_sub(a);
-                    extra.held.set(d, v);
-                }
+                extra.held.sub(&hold.amounts);
                 extra
                     .holders
-                    .remove(hold.holder_pos[i], &mut Self::set_holder_pos(holds));
+                    .remove(hold.holder_pos[i], &mut set_holder_pos(holds));
             }
-            if st.held_count == 0 {
-                st.trim_extra();
-                if !st.gc_queued {
-                    st.gc_queued = true;
-                    gc.push(Reverse((now_ms, key.clone())));
-                }
+            if st.held_count == 0 && !st.gc_queued {
+                st.gc_queued = true;
+                gc.push(Reverse((now_ms, hold.scopes.as_slice()[i].clone())));
             }
         }
         free_slots.push(slot);
         hold
+    }
+
+    /// Records charged usage on the scopes of a live hold (settle, before
+    /// the release), with no lookup by name.
+    pub(crate) fn record_on_hold(&mut self, slot: u32, now_ms: u64, charged: &Amounts) {
+        let ShardState { scopes, holds, .. } = self;
+        let Some(Some(hold)) = holds.get(slot as usize) else {
+            return;
+        };
+        for (_, s) in hold.local_slots() {
+            let st = live(scopes, s);
+            st.advance(now_ms);
+            st.record_all(now_ms, charged);
+        }
     }
 
     /// Raises a hold by `delta` on every scope of this shard.
@@ -419,27 +554,24 @@ impl ShardState {
             let v = hold.amounts.get(d).saturating_add(a);
             hold.amounts.set(d, v);
         }
-        for (_, key) in hold.local_scopes() {
-            if let Some(extra) = scopes.get_mut(key.as_str()).and_then(|s| s.extra.as_mut()) {
-                for (d, a) in delta.iter() {
-                    let v = extra.held.get(d).saturating_add(a);
-                    extra.held.set(d, v);
-                }
+        for (_, s) in hold.local_slots() {
+            if let Some(extra) = live(scopes, s).extra.as_mut() {
+                extra.held.add(delta);
             }
         }
     }
 
     /// Moves a hold's expiry.
     pub(crate) fn move_hold(&mut self, slot: u32, expires_ms: u64) {
-        let (heap_pos, locals): (u32, SmallVec<[HolderAt; 4]>) = {
+        let (heap_pos, locals): (u32, SmallVec<[(u32, u32); 4]>) = {
             let Some(Some(hold)) = self.holds.get_mut(slot as usize) else {
                 return;
             };
             hold.expires_ms = expires_ms;
             (
                 hold.heap_pos,
-                hold.local_scopes()
-                    .map(|(i, k)| (i, k.clone(), hold.holder_pos[i]))
+                hold.local_slots()
+                    .map(|(i, s)| (s, hold.holder_pos[i]))
                     .collect(),
             )
         };
@@ -449,12 +581,12 @@ impl ShardState {
             expiry,
             ..
         } = self;
-        expiry.update(heap_pos, expires_ms, &mut Self::set_heap_pos(holds));
-        for (_, key, pos) in locals {
-            if let Some(extra) = scopes.get_mut(&key).and_then(|s| s.extra.as_mut()) {
+        expiry.update(heap_pos, expires_ms, &mut set_heap_pos(holds));
+        for (s, pos) in locals {
+            if let Some(extra) = live(scopes, s).extra.as_mut() {
                 extra
                     .holders
-                    .update(pos, expires_ms, &mut Self::set_holder_pos(holds));
+                    .update(pos, expires_ms, &mut set_holder_pos(holds));
             }
         }
     }
@@ -547,17 +679,21 @@ impl ShardState {
             let Some(Reverse((_, key))) = self.gc.pop() else {
                 return;
             };
-            let Some(st) = self.scopes.get_mut(&key) else {
+            let Some(&slot) = self.index.get(&key) else {
                 continue;
             };
+            let st = live(&mut self.scopes, slot);
             st.gc_queued = false;
             if st.held_count > 0 {
                 continue; // the release of its last hold queues it again
             }
+            st.trim_extra();
             st.advance(now);
             match st.empty_at(now) {
                 Some(at) if at <= now => {
-                    self.scopes.remove(&key);
+                    self.index.remove(&key);
+                    self.scopes[slot as usize] = None;
+                    self.free_scopes.push(slot);
                 }
                 Some(at) => {
                     st.gc_queued = true;
@@ -568,7 +704,7 @@ impl ShardState {
         }
     }
 
-    /// Allocation-free view of whether a plan limits a dimension with a window.
+    /// Whether a plan limits a dimension with a window of some kind.
     pub(crate) fn limits_with(plan: &Plan, dim: Dimension, kind: fn(&Window) -> bool) -> bool {
         plan.limits()
             .iter()
