@@ -109,7 +109,7 @@ pub(crate) fn check_shard(shard: usize, st: &ShardState) -> Result<(), String> {
         let held = sc
             .extra
             .as_ref()
-            .map(|e| e.held.to_amounts())
+            .map(|e| e.held.clone())
             .unwrap_or_default();
         if held != amounts {
             return fail(format!(

@@ -115,6 +115,18 @@ pub struct Limit {
     capacity: u64,
     window: Window,
     guaranteed: u64,
+    pub(crate) fast: Fast,
+}
+
+/// A window's kind with its parameters precomputed for the hot path (the
+/// slice width is divided once, here, not on every operation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Fast {
+    Sliding { width_ms: u64, slices: u64 },
+    Bucket { period_ms: u64 },
+    Calendar,
+    Total,
+    Concurrent,
 }
 
 impl Limit {
@@ -166,11 +178,24 @@ impl Limit {
             }
             Window::Calendar { .. } | Window::Total | Window::Concurrent => {}
         }
+        let fast = match &window {
+            Window::Sliding { period_ms, slices } => Fast::Sliding {
+                width_ms: period_ms / u64::from(*slices),
+                slices: u64::from(*slices),
+            },
+            Window::Bucket { period_ms } => Fast::Bucket {
+                period_ms: *period_ms,
+            },
+            Window::Calendar { .. } => Fast::Calendar,
+            Window::Total => Fast::Total,
+            Window::Concurrent => Fast::Concurrent,
+        };
         Ok(Limit {
             dimension,
             capacity,
             window,
             guaranteed: 0,
+            fast,
         })
     }
 

@@ -61,8 +61,11 @@ impl Router {
     pub(crate) fn shards_of(&self, scopes: &ScopeSet) -> SmallVec<[usize; 4]> {
         // Tenant-namespaced scopes all live in the tenant's shard: only
         // shared scopes need hashing.
-        let home = self.of_tenant(scopes.tenant_name());
+        let home = usize::from(scopes.tenant_tag()) & self.mask;
         let mut v: SmallVec<[usize; 4]> = smallvec::smallvec![home];
+        if !scopes.any_shared() {
+            return v;
+        }
         v.extend(
             scopes.as_slice()[1..]
                 .iter()
@@ -133,6 +136,9 @@ fn check_scope(
             continue;
         }
         let held = st.held(dim);
+        if st.state(li).fits(req, held) {
+            continue;
+        }
         let earliest = st.earliest_expiry();
         let mut s = st.state(li);
         let used = s.used();
@@ -731,7 +737,7 @@ impl<'a> Locked<'a> {
                     part.foreign.get(&id).copied().unwrap_or(NO_SLOT)
                 };
                 if slot != NO_SLOT {
-                    part.record_on_hold(slot, now, &charged);
+                    part.record_on_hold(catalog, slot, now, &charged);
                 }
             }
             self.release_all(id, now);

@@ -187,47 +187,69 @@ impl fmt::Display for ScopeKey {
 /// the order of the request, without duplicates. Shared between requests and
 /// the reservations they create (cloning is one reference count).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ScopeSet(Arc<[ScopeKey]>);
+pub struct ScopeSet {
+    keys: Arc<[ScopeKey]>,
+    /// The tenant's routing tag and whether any scope is shared, computed
+    /// once here rather than on every operation.
+    tenant_tag: u8,
+    any_shared: bool,
+}
 
 impl ScopeSet {
     /// Builds a set; `scopes[0]` must be the tenant scope. Use
     /// [`Catalog::scope_set`](crate::Catalog::scope_set) to build one from a
     /// request (it checks kinds against the configuration).
     pub(crate) fn from_vec(scopes: Vec<ScopeKey>) -> Self {
-        ScopeSet(scopes.into())
+        let tenant_tag = crate::ReservationId::tenant_tag(scopes[0].tenant_name().unwrap_or(""));
+        let any_shared = scopes.iter().any(ScopeKey::is_shared);
+        ScopeSet {
+            keys: scopes.into(),
+            tenant_tag,
+            any_shared,
+        }
+    }
+
+    /// The tenant's routing tag ([`ReservationId::tenant_tag`](crate::ReservationId::tenant_tag)).
+    pub fn tenant_tag(&self) -> u8 {
+        self.tenant_tag
+    }
+
+    /// Whether any scope is of a shared kind.
+    pub fn any_shared(&self) -> bool {
+        self.any_shared
     }
 
     /// The tenant scope.
     pub fn tenant(&self) -> &ScopeKey {
-        &self.0[0]
+        &self.keys[0]
     }
 
     /// The tenant's name.
     pub fn tenant_name(&self) -> &str {
-        self.0[0].tenant_name().unwrap_or("")
+        self.keys[0].tenant_name().unwrap_or("")
     }
 
     /// All scopes, the tenant first.
     pub fn as_slice(&self) -> &[ScopeKey] {
-        &self.0
+        &self.keys
     }
 
     /// Number of scopes.
     pub fn len(&self) -> usize {
-        self.0.len()
+        self.keys.len()
     }
 
     /// Never true: the tenant scope is always there.
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.keys.is_empty()
     }
 
     /// The same scopes regardless of order (idempotent replays compare so).
     pub fn same_scopes(&self, other: &ScopeSet) -> bool {
-        if self.0.len() != other.0.len() {
+        if self.keys.len() != other.keys.len() {
             return false;
         }
-        self.0.iter().all(|s| other.0.contains(s))
+        self.keys.iter().all(|s| other.keys.contains(s))
     }
 }
 

@@ -27,62 +27,8 @@ use crate::window::{self, State};
 /// A slot that holds nothing.
 pub(crate) const NO_SLOT: u32 = u32::MAX;
 
-/// Held amounts of one scope: the four counted built-in dimensions in a
-/// fixed array (the hot path), custom dimensions sparse.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Held {
-    builtin: [u64; 4],
-    custom: Amounts,
-}
-
-impl Held {
-    fn slot(dim: Dimension) -> Option<usize> {
-        (2..6).contains(&dim.index()).then(|| dim.index() - 2)
-    }
-
-    pub(crate) fn get(&self, dim: Dimension) -> u64 {
-        match Self::slot(dim) {
-            Some(i) => self.builtin[i],
-            None => self.custom.get(dim),
-        }
-    }
-
-    pub(crate) fn add(&mut self, amounts: &Amounts) {
-        for (d, a) in amounts.iter() {
-            match Self::slot(d) {
-                Some(i) => self.builtin[i] = self.builtin[i].saturating_add(a),
-                None => {
-                    let v = self.custom.get(d).saturating_add(a);
-                    self.custom.set(d, v);
-                }
-            }
-        }
-    }
-
-    pub(crate) fn sub(&mut self, amounts: &Amounts) {
-        for (d, a) in amounts.iter() {
-            match Self::slot(d) {
-                Some(i) => self.builtin[i] = self.builtin[i].saturating_sub(a),
-                None => {
-                    let v = self.custom.get(d).saturating_sub(a);
-                    self.custom.set(d, v);
-                }
-            }
-        }
-    }
-
-    pub(crate) fn is_empty(&self) -> bool {
-        self.builtin == [0; 4] && self.custom.is_empty()
-    }
-
-    pub(crate) fn to_amounts(&self) -> Amounts {
-        let mut a = self.custom.clone();
-        for (i, v) in self.builtin.iter().enumerate() {
-            a.set(Dimension(i as u16 + 2), *v);
-        }
-        a
-    }
-}
+/// Held amounts of one scope (O(1) for the built-in dimensions).
+pub(crate) type Held = Amounts;
 
 /// What a scope holds beyond its windows; only scopes that held something
 /// recently (or have wide slices) pay for it. It stays allocated while the
@@ -109,6 +55,8 @@ pub(crate) struct ScopeState {
     pub(crate) epoch: u64,
     pub(crate) held_count: u32,
     pub(crate) gc_queued: bool,
+    /// Bit i: limit i keeps wide slices in `extra`.
+    pub(crate) wide_mask: u32,
     pub(crate) extra: Option<Box<Extra>>,
 }
 
@@ -120,6 +68,7 @@ impl ScopeState {
             epoch,
             held_count: 0,
             gc_queued: false,
+            wide_mask: 0,
             extra: None,
         }
     }
@@ -143,6 +92,7 @@ impl ScopeState {
             .as_mut()
             .map(|e| std::mem::take(&mut e.wide))
             .unwrap_or_default();
+        let mut fresh: SmallVec<[usize; 4]> = SmallVec::new();
         for (j, limit) in plan.limits().iter().enumerate() {
             let Some(i) = self
                 .plan
@@ -150,6 +100,7 @@ impl ScopeState {
                 .iter()
                 .position(|o| o.same_history(limit))
             else {
+                fresh.push(j);
                 continue;
             };
             let n = window::words_for(limit.window());
@@ -161,6 +112,13 @@ impl ScopeState {
         }
         self.words = words;
         self.plan = plan.clone();
+        // New limits start from nothing, set up at the instant the others
+        // are at (a calendar window needs its end now, not at the next change).
+        let touched = self.words[0];
+        for j in fresh {
+            self.state(j).advance(0, touched);
+        }
+        self.wide_mask = wide.iter().fold(0, |m, (k, _)| m | (1 << k));
         if !wide.is_empty() {
             self.extra.get_or_insert_with(Default::default).wide = wide;
         }
@@ -168,17 +126,31 @@ impl ScopeState {
     }
 
     /// The state of limit `i`.
+    #[inline]
     pub(crate) fn state(&mut self, i: usize) -> State<'_> {
         let ScopeState {
-            words, plan, extra, ..
+            words,
+            plan,
+            extra,
+            wide_mask,
+            ..
         } = self;
         let limit: &Limit = &plan.limits()[i];
         let at = plan.offsets[i] as usize;
-        let n = window::words_for(limit.window());
-        let wide = extra
-            .as_mut()
-            .and_then(|e| e.wide.iter_mut().find(|(k, _)| usize::from(*k) == i))
-            .map(|(_, w)| &mut w[..]);
+        let end = plan
+            .offsets
+            .get(i + 1)
+            .map_or(plan.words as usize, |&o| o as usize);
+        let n = end - at;
+        // Wide slices are rare: look for them only when this limit has some.
+        let wide = if *wide_mask & (1 << i) == 0 {
+            None
+        } else {
+            extra
+                .as_mut()
+                .and_then(|e| e.wide.iter_mut().find(|(k, _)| usize::from(*k) == i))
+                .map(|(_, w)| &mut w[..])
+        };
         State {
             limit,
             words: &mut words[at..at + n],
@@ -187,13 +159,13 @@ impl ScopeState {
     }
 
     /// Advances every window to `now_ms`.
+    #[inline]
     pub(crate) fn advance(&mut self, now_ms: u64) {
         let from = self.words[0];
-        // Not `<=`: at the same instant a window may still be unset (a
-        // calendar limit added by a plan change, or any scope at the epoch,
-        // has no window end yet); advancing to the same instant is a no-op
-        // for every window that is set.
-        if now_ms < from {
+        // Advancing to the same instant is a no-op for every window that is
+        // set; a fresh scope (touched 0) and the fresh limits of a plan
+        // change (see `sync`) are set up apart, so the hot path returns here.
+        if now_ms < from || (now_ms == from && from != 0) {
             return;
         }
         for i in 0..self.plan.limits().len() {
@@ -203,6 +175,7 @@ impl ScopeState {
     }
 
     /// Held amount of `dim` on this scope.
+    #[inline]
     pub(crate) fn held(&self, dim: Dimension) -> u64 {
         if dim.is_implied() {
             return u64::from(self.held_count);
@@ -211,6 +184,7 @@ impl ScopeState {
     }
 
     /// When the earliest hold on this scope expires.
+    #[inline]
     pub(crate) fn earliest_expiry(&self) -> Option<u64> {
         self.extra
             .as_ref()
@@ -220,22 +194,14 @@ impl ScopeState {
 
     /// Records usage of `amount` on limit `i` at `now_ms`.
     pub(crate) fn record(&mut self, i: usize, now_ms: u64, amount: u64) {
-        let has_wide = self.extra.as_ref().is_some_and(|e| !e.wide.is_empty());
-        if !has_wide {
-            let s = self.state(i);
-            if s.needs_wide(now_ms, amount) {
-                let w = s.widen();
-                self.extra
-                    .get_or_insert_with(Default::default)
-                    .wide
-                    .push((i as u8, w));
-            }
-        } else if self.state(i).needs_wide(now_ms, amount) {
-            let w = self.state(i).widen();
+        let s = self.state(i);
+        if s.needs_wide(now_ms, amount) {
+            let w = s.widen();
             self.extra
                 .get_or_insert_with(Default::default)
                 .wide
                 .push((i as u8, w));
+            self.wide_mask |= 1 << i;
         }
         self.state(i).record(now_ms, amount);
     }
@@ -532,13 +498,22 @@ impl ShardState {
 
     /// Records charged usage on the scopes of a live hold (settle, before
     /// the release), with no lookup by name.
-    pub(crate) fn record_on_hold(&mut self, slot: u32, now_ms: u64, charged: &Amounts) {
+    pub(crate) fn record_on_hold(
+        &mut self,
+        catalog: &Catalog,
+        slot: u32,
+        now_ms: u64,
+        charged: &Amounts,
+    ) {
         let ShardState { scopes, holds, .. } = self;
         let Some(Some(hold)) = holds.get(slot as usize) else {
             return;
         };
-        for (_, s) in hold.local_slots() {
+        for (i, s) in hold.local_slots() {
             let st = live(scopes, s);
+            // A plan change since the scope was last touched is in force
+            // for this settle too: record into the current plan's limits.
+            st.sync(catalog, &hold.scopes.as_slice()[i]);
             st.advance(now_ms);
             st.record_all(now_ms, charged);
         }
@@ -628,7 +603,7 @@ impl ShardState {
                 }
             }
         }
-        self.collect(now, gc_budget);
+        self.collect(catalog, now, gc_budget);
         now
     }
 
@@ -670,7 +645,7 @@ impl ShardState {
 
     /// Drops up to `budget` scopes that hold nothing and whose windows are
     /// empty; re-queues those that will be empty later.
-    pub(crate) fn collect(&mut self, now: u64, budget: usize) {
+    pub(crate) fn collect(&mut self, catalog: &Catalog, now: u64, budget: usize) {
         for _ in 0..budget {
             match self.gc.peek() {
                 Some(Reverse((due, _))) if *due <= now => {}
@@ -688,6 +663,9 @@ impl ShardState {
                 continue; // the release of its last hold queues it again
             }
             st.trim_extra();
+            // On its current plan first: a plan change since the scope was
+            // last touched decides how its windows emptied meanwhile.
+            st.sync(catalog, &key);
             st.advance(now);
             match st.empty_at(now) {
                 Some(at) if at <= now => {

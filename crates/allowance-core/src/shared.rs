@@ -192,14 +192,14 @@ impl SharedLedger {
         id: ReservationId,
         req: &ReserveRequest,
     ) -> Result<Granted, ReserveError> {
-        let tenant = req.scopes.tenant_name();
-        if id.tag() != ReservationId::tenant_tag(tenant) {
+        if id.tag() != req.scopes.tenant_tag() {
             return Err(
                 Invalid::new("id", "the reservation id was not minted for this tenant").into(),
             );
         }
-        let home = self.router.of_tenant(tenant);
         let shards = self.router.shards_of(&req.scopes);
+        // The id carries the tenant's tag (checked above): it routes home.
+        let home = self.router.of_id(id);
         self.with_shards(&shards, home, |l| l.reserve(now, id, req))
     }
 

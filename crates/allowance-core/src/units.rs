@@ -101,11 +101,16 @@ impl Dimension {
     }
 }
 
-/// Amounts per dimension, sparse and sorted by dimension, zeros dropped.
+/// Amounts per dimension, zeros dropped.
 ///
-/// Never contains the implied dimensions (`requests`, `concurrent`).
+/// Never contains the implied dimensions (`requests`, `concurrent`). The
+/// four counted built-in dimensions sit in a fixed array (every operation
+/// reads them, in O(1)); custom dimensions are a short sorted list.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
-pub struct Amounts(smallvec::SmallVec<[(Dimension, u64); 4]>);
+pub struct Amounts {
+    builtin: [u64; 4],
+    custom: Vec<(Dimension, u64)>,
+}
 
 impl Amounts {
     /// No amounts.
@@ -113,31 +118,71 @@ impl Amounts {
         Amounts::default()
     }
 
-    /// The amount of `dim` (0 when absent).
-    pub fn get(&self, dim: Dimension) -> u64 {
-        match self.0.binary_search_by_key(&dim, |&(d, _)| d) {
-            Ok(i) => self.0[i].1,
-            Err(_) => 0,
+    #[inline]
+    fn builtin_slot(dim: Dimension) -> Option<usize> {
+        match dim.0 {
+            2..=5 => Some(usize::from(dim.0) - 2),
+            _ => None,
         }
     }
 
-    /// Whether `dim` is present (was given, even as 0 before zeros were dropped).
+    /// The amount of `dim` (0 when absent).
+    #[inline]
+    pub fn get(&self, dim: Dimension) -> u64 {
+        match Self::builtin_slot(dim) {
+            Some(i) => self.builtin[i],
+            None if dim.is_implied() => 0,
+            None => match self.custom.binary_search_by_key(&dim, |&(d, _)| d) {
+                Ok(i) => self.custom[i].1,
+                Err(_) => 0,
+            },
+        }
+    }
+
+    /// Whether `dim` has a non-zero amount.
     pub fn contains(&self, dim: Dimension) -> bool {
-        self.0.binary_search_by_key(&dim, |&(d, _)| d).is_ok()
+        self.get(dim) != 0
     }
 
     /// Sets `dim` to `amount`; 0 removes it. Implied dimensions are ignored.
+    #[inline]
     pub fn set(&mut self, dim: Dimension, amount: u64) {
+        if let Some(i) = Self::builtin_slot(dim) {
+            self.builtin[i] = amount;
+            return;
+        }
         if dim.is_implied() {
             return;
         }
-        match self.0.binary_search_by_key(&dim, |&(d, _)| d) {
+        match self.custom.binary_search_by_key(&dim, |&(d, _)| d) {
             Ok(i) if amount == 0 => {
-                self.0.remove(i);
+                self.custom.remove(i);
             }
-            Ok(i) => self.0[i].1 = amount,
+            Ok(i) => self.custom[i].1 = amount,
             Err(_) if amount == 0 => {}
-            Err(i) => self.0.insert(i, (dim, amount)),
+            Err(i) => self.custom.insert(i, (dim, amount)),
+        }
+    }
+
+    /// Adds `b` to every amount, saturating.
+    pub fn add(&mut self, b: &Amounts) {
+        for (x, y) in self.builtin.iter_mut().zip(b.builtin) {
+            *x = x.saturating_add(y);
+        }
+        for &(d, v) in &b.custom {
+            let s = self.get(d).saturating_add(v);
+            self.set(d, s);
+        }
+    }
+
+    /// Subtracts `b` from every amount, saturating at 0.
+    pub fn sub(&mut self, b: &Amounts) {
+        for (x, y) in self.builtin.iter_mut().zip(b.builtin) {
+            *x = x.saturating_sub(y);
+        }
+        for &(d, v) in &b.custom {
+            let s = self.get(d).saturating_sub(v);
+            self.set(d, s);
         }
     }
 
@@ -156,12 +201,17 @@ impl Amounts {
 
     /// The non-zero amounts, by dimension.
     pub fn iter(&self) -> impl Iterator<Item = (Dimension, u64)> + '_ {
-        self.0.iter().copied()
+        self.builtin
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| **v != 0)
+            .map(|(i, v)| (Dimension(i as u16 + 2), *v))
+            .chain(self.custom.iter().copied())
     }
 
     /// Whether every amount is zero.
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.builtin == [0; 4] && self.custom.is_empty()
     }
 
     /// The first amount above [`MAX_AMOUNT`], if any.

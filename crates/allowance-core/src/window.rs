@@ -25,7 +25,7 @@
 //!   reservations.
 
 use crate::calendar;
-use crate::limit::{Limit, Window};
+use crate::limit::{Fast, Limit, Window};
 
 /// Words of state a window needs.
 pub(crate) fn words_for(w: &Window) -> usize {
@@ -45,6 +45,7 @@ pub(crate) enum Slices<'a> {
 }
 
 impl Slices<'_> {
+    #[inline]
     fn get(&self, i: usize) -> u64 {
         match self {
             Slices::Narrow(w) => (w[i / 2] >> ((i % 2) * 32)) & 0xffff_ffff,
@@ -53,6 +54,7 @@ impl Slices<'_> {
     }
 
     /// Sets slice `i`; `false` (and nothing changed) if a narrow slice cannot hold `v`.
+    #[inline]
     fn set(&mut self, i: usize, v: u64) -> bool {
         match self {
             Slices::Narrow(w) => {
@@ -85,10 +87,6 @@ pub(crate) struct State<'a> {
     pub(crate) wide: Option<&'a mut [u64]>,
 }
 
-fn width(period_ms: u64, slices: u32) -> u64 {
-    period_ms / u64::from(slices)
-}
-
 fn deficit(words: &[u64]) -> u128 {
     (u128::from(words[0]) << 64) | u128::from(words[1])
 }
@@ -99,6 +97,7 @@ fn set_deficit(words: &mut [u64], d: u128) {
 }
 
 impl State<'_> {
+    #[inline]
     fn slices(&mut self) -> Slices<'_> {
         match &mut self.wide {
             Some(w) => Slices::Wide(w),
@@ -107,10 +106,13 @@ impl State<'_> {
     }
 
     /// Brings the window from `from_ms` (when the scope was last touched) to `now_ms`.
+    #[inline]
     pub(crate) fn advance(&mut self, from_ms: u64, now_ms: u64) {
-        match self.limit.window() {
-            Window::Sliding { period_ms, slices } => {
-                let (w, n) = (width(*period_ms, *slices), u64::from(*slices));
+        match self.limit.fast {
+            Fast::Sliding {
+                width_ms: w,
+                slices: n,
+            } => {
                 let (s0, s1) = (from_ms / w, now_ms / w);
                 if s1 <= s0 {
                     return;
@@ -129,43 +131,74 @@ impl State<'_> {
                 }
                 self.words[0] = total;
             }
-            Window::Bucket { .. } => {
+            Fast::Bucket { .. } => {
+                let d = deficit(self.words);
+                if d == 0 {
+                    return;
+                }
                 let elapsed = u128::from(now_ms.saturating_sub(from_ms));
                 let refill = u128::from(self.limit.capacity()).saturating_mul(elapsed);
-                let d = deficit(self.words).saturating_sub(refill);
-                set_deficit(self.words, d);
+                set_deficit(self.words, d.saturating_sub(refill));
             }
-            Window::Calendar { unit, zone } => {
+            Fast::Calendar => {
                 if now_ms >= self.words[0] {
-                    let (_, end) = calendar::window_bounds(*unit, zone, now_ms);
-                    self.words[0] = end;
-                    self.words[1] = 0;
+                    if let Window::Calendar { unit, zone } = self.limit.window() {
+                        let (_, end) = calendar::window_bounds(*unit, zone, now_ms);
+                        self.words[0] = end;
+                        self.words[1] = 0;
+                    }
                 }
             }
-            Window::Total | Window::Concurrent => {}
+            Fast::Total | Fast::Concurrent => {}
         }
     }
 
     /// Usage in the window now (after [`State::advance`]).
+    #[inline]
     pub(crate) fn used(&self) -> i64 {
         let clamp = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-        match self.limit.window() {
-            Window::Sliding { .. } => clamp(self.words[0]),
-            Window::Bucket { period_ms } => {
-                let used = deficit(self.words).div_ceil(u128::from(*period_ms));
-                i64::try_from(used).unwrap_or(i64::MAX)
+        match self.limit.fast {
+            Fast::Sliding { .. } => clamp(self.words[0]),
+            Fast::Bucket { period_ms } => {
+                let d = deficit(self.words);
+                if d == 0 {
+                    return 0;
+                }
+                i64::try_from(d.div_ceil(u128::from(period_ms))).unwrap_or(i64::MAX)
             }
-            Window::Calendar { .. } => clamp(self.words[1]),
-            Window::Total => self.words[0] as i64,
-            Window::Concurrent => 0,
+            Fast::Calendar => clamp(self.words[1]),
+            Fast::Total => self.words[0] as i64,
+            Fast::Concurrent => 0,
+        }
+    }
+
+    /// Whether `requested` more fits under `capacity` with `held` held:
+    /// `requested ≤ capacity − used − held`, exactly (for a bucket, against
+    /// the fixed-point level, which is what rounding `used` up gives too).
+    #[inline]
+    pub(crate) fn fits(&self, requested: u64, held: u64) -> bool {
+        let Some(target) = self
+            .limit
+            .capacity()
+            .checked_sub(held)
+            .and_then(|r| r.checked_sub(requested))
+        else {
+            return false;
+        };
+        match self.limit.fast {
+            Fast::Bucket { period_ms } => {
+                deficit(self.words) <= u128::from(target) * u128::from(period_ms)
+            }
+            Fast::Total => (self.words[0] as i64) <= target as i64,
+            _ => self.used() as u64 <= target,
         }
     }
 
     /// Whether recording `amount` now needs wide slices first.
     pub(crate) fn needs_wide(&self, now_ms: u64, amount: u64) -> bool {
-        match (self.limit.window(), &self.wide) {
-            (Window::Sliding { period_ms, slices }, None) => {
-                let i = ((now_ms / width(*period_ms, *slices)) % u64::from(*slices)) as usize;
+        match (self.limit.fast, &self.wide) {
+            (Fast::Sliding { width_ms, slices }, None) => {
+                let i = ((now_ms / width_ms) % slices) as usize;
                 let cur = (self.words[1 + i / 2] >> ((i % 2) * 32)) & 0xffff_ffff;
                 cur.saturating_add(amount) > u64::from(u32::MAX)
             }
@@ -175,8 +208,8 @@ impl State<'_> {
 
     /// The slices as wide `u64`s (to move this limit to wide storage).
     pub(crate) fn widen(&self) -> Box<[u64]> {
-        match self.limit.window() {
-            Window::Sliding { slices, .. } => (0..*slices as usize)
+        match self.limit.fast {
+            Fast::Sliding { slices, .. } => (0..slices as usize)
                 .map(|i| (self.words[1 + i / 2] >> ((i % 2) * 32)) & 0xffff_ffff)
                 .collect(),
             _ => Box::new([]),
@@ -187,33 +220,34 @@ impl State<'_> {
     /// Saturates instead of wrapping: accounting that far past any capacity
     /// keeps refusing either way. The caller widens sliding slices first
     /// when [`State::needs_wide`] says so.
+    #[inline]
     pub(crate) fn record(&mut self, now_ms: u64, amount: u64) {
-        match self.limit.window() {
-            Window::Sliding { period_ms, slices } => {
-                let i = ((now_ms / width(*period_ms, *slices)) % u64::from(*slices)) as usize;
+        match self.limit.fast {
+            Fast::Sliding { width_ms, slices } => {
+                let i = ((now_ms / width_ms) % slices) as usize;
                 self.words[0] = self.words[0].saturating_add(amount);
                 let mut sl = self.slices();
                 let v = sl.get(i).saturating_add(amount);
                 let stored = sl.set(i, v);
                 debug_assert!(stored, "the caller widens before recording");
             }
-            Window::Bucket { period_ms } => {
-                let add = u128::from(amount) * u128::from(*period_ms);
+            Fast::Bucket { period_ms } => {
+                let add = u128::from(amount) * u128::from(period_ms);
                 let d = deficit(self.words).saturating_add(add);
                 set_deficit(self.words, d);
             }
-            Window::Calendar { .. } => self.words[1] = self.words[1].saturating_add(amount),
-            Window::Total => {
+            Fast::Calendar => self.words[1] = self.words[1].saturating_add(amount),
+            Fast::Total => {
                 let add = i64::try_from(amount).unwrap_or(i64::MAX);
                 self.words[0] = (self.words[0] as i64).saturating_add(add) as u64;
             }
-            Window::Concurrent => {}
+            Fast::Concurrent => {}
         }
     }
 
     /// An admin credit (positive: usage falls) or debit on a `total` window.
     pub(crate) fn adjust(&mut self, credit: i64) {
-        if let Window::Total = self.limit.window() {
+        if let Fast::Total = self.limit.fast {
             self.words[0] = (self.words[0] as i64).saturating_sub(credit) as u64;
         }
     }
@@ -222,9 +256,11 @@ impl State<'_> {
     /// holds assumed to stay; `None` when it never will by itself (`total`,
     /// `concurrent`). Call only when `used() > target`.
     pub(crate) fn ms_until_used_at_most(&mut self, now_ms: u64, target: u64) -> Option<u64> {
-        match self.limit.window() {
-            Window::Sliding { period_ms, slices } => {
-                let (w, n) = (width(*period_ms, *slices), u64::from(*slices));
+        match self.limit.fast {
+            Fast::Sliding {
+                width_ms: w,
+                slices: n,
+            } => {
                 let cur = now_ms / w;
                 let oldest = (cur + 1).saturating_sub(n);
                 let total = self.words[0];
@@ -238,14 +274,14 @@ impl State<'_> {
                 }
                 Some(((cur + n) * w).saturating_sub(now_ms))
             }
-            Window::Bucket { period_ms } => {
-                let target_scaled = u128::from(target) * u128::from(*period_ms);
+            Fast::Bucket { period_ms } => {
+                let target_scaled = u128::from(target) * u128::from(period_ms);
                 let need = deficit(self.words).saturating_sub(target_scaled);
                 let ms = need.div_ceil(u128::from(self.limit.capacity()));
                 Some(u64::try_from(ms).unwrap_or(u64::MAX))
             }
-            Window::Calendar { .. } => Some(self.words[0].saturating_sub(now_ms)),
-            Window::Total | Window::Concurrent => None,
+            Fast::Calendar => Some(self.words[0].saturating_sub(now_ms)),
+            Fast::Total | Fast::Concurrent => None,
         }
     }
 
@@ -254,39 +290,43 @@ impl State<'_> {
     /// when full again; calendar, the next boundary; otherwise `None`
     /// (concurrent is answered by the scope, from its holds).
     pub(crate) fn resets_at(&mut self, now_ms: u64) -> Option<u64> {
-        match self.limit.window() {
-            Window::Sliding { period_ms, slices } => {
+        match self.limit.fast {
+            Fast::Sliding {
+                width_ms: w,
+                slices: n,
+            } => {
                 if self.words[0] == 0 {
                     return None;
                 }
-                let (w, n) = (width(*period_ms, *slices), u64::from(*slices));
                 let cur = now_ms / w;
                 let sl = self.slices();
                 ((cur + 1).saturating_sub(n)..=cur)
                     .find(|k| sl.get((k % n) as usize) > 0)
                     .map(|k| (k + n) * w)
             }
-            Window::Bucket { .. } => {
+            Fast::Bucket { .. } => {
                 let d = deficit(self.words);
                 (d > 0).then(|| {
                     let ms = d.div_ceil(u128::from(self.limit.capacity()));
                     now_ms.saturating_add(u64::try_from(ms).unwrap_or(u64::MAX))
                 })
             }
-            Window::Calendar { .. } => Some(self.words[0]),
-            Window::Total | Window::Concurrent => None,
+            Fast::Calendar => Some(self.words[0]),
+            Fast::Total | Fast::Concurrent => None,
         }
     }
 
     /// When this window will hold no usage if nothing new happens: `Some(now)`
     /// if it is empty already, `None` if never (a used `total`).
     pub(crate) fn empty_at(&mut self, now_ms: u64) -> Option<u64> {
-        match self.limit.window() {
-            Window::Sliding { period_ms, slices } => {
+        match self.limit.fast {
+            Fast::Sliding {
+                width_ms: w,
+                slices: n,
+            } => {
                 if self.words[0] == 0 {
                     return Some(now_ms);
                 }
-                let (w, n) = (width(*period_ms, *slices), u64::from(*slices));
                 let cur = now_ms / w;
                 let sl = self.slices();
                 let newest = ((cur + 1).saturating_sub(n)..=cur)
@@ -295,14 +335,14 @@ impl State<'_> {
                     .unwrap_or(cur);
                 Some((newest + n) * w)
             }
-            Window::Bucket { .. } => Some(self.resets_at(now_ms).unwrap_or(now_ms)),
-            Window::Calendar { .. } => Some(if self.words[1] == 0 {
+            Fast::Bucket { .. } => Some(self.resets_at(now_ms).unwrap_or(now_ms)),
+            Fast::Calendar => Some(if self.words[1] == 0 {
                 now_ms
             } else {
                 self.words[0]
             }),
-            Window::Total => (self.words[0] == 0).then_some(now_ms),
-            Window::Concurrent => Some(now_ms),
+            Fast::Total => (self.words[0] == 0).then_some(now_ms),
+            Fast::Concurrent => Some(now_ms),
         }
     }
 }

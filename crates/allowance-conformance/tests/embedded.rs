@@ -1,0 +1,202 @@
+//! The conformance suite against the embedded store, with 1 and 16 shards
+//! (one test per case and shard count, so a failure names both), and the
+//! engine's own invariants checked after every operation a case makes.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use allowance_conformance::{StoreFactory, cases, run_all, run_case};
+use allowance_core::{
+    AdminError, Amounts, Catalog, CatalogChange, Clock, Dimension, EmbeddedStore, ExtendError,
+    Granted, ManualClock, RefundError, Reservation, ReservationId, ReserveError, ReserveRequest,
+    ScopeKey, ScopeStatus, SeededIds, SettleError, Store, StoreError, Unavailable, Usage,
+};
+
+/// Embedded stores of `shards` shards with deterministic ids.
+struct Embedded {
+    shards: usize,
+}
+
+impl StoreFactory for Embedded {
+    type S = Checked;
+
+    async fn make(&self, catalog: Catalog, clock: Arc<ManualClock>) -> Checked {
+        let ids = Arc::new(SeededIds::new(0x00c0_ffee ^ self.shards as u64));
+        Checked {
+            inner: EmbeddedStore::new(catalog, self.shards, clock.clone(), ids),
+            clock,
+        }
+    }
+}
+
+/// The embedded store, checking SEMANTICS.md's invariants (held = the sum of
+/// live holds, on every shard and across shards) after every operation.
+struct Checked {
+    inner: EmbeddedStore,
+    clock: Arc<ManualClock>,
+}
+
+impl Checked {
+    fn check<T>(&self, answer: T) -> T {
+        if let Err(e) = self.inner.ledger().check_invariants(self.clock.now()) {
+            panic!("an engine invariant broke: {e}");
+        }
+        answer
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for Checked {
+    async fn reserve(&self, req: &ReserveRequest) -> Result<Granted, StoreError<ReserveError>> {
+        let a = self.inner.reserve(req).await;
+        self.check(a)
+    }
+
+    async fn settle(
+        &self,
+        id: ReservationId,
+        usage: &Usage,
+    ) -> Result<Reservation, StoreError<SettleError>> {
+        let a = self.inner.settle(id, usage).await;
+        self.check(a)
+    }
+
+    async fn refund(&self, id: ReservationId) -> Result<Reservation, StoreError<RefundError>> {
+        let a = self.inner.refund(id).await;
+        self.check(a)
+    }
+
+    async fn extend(
+        &self,
+        id: ReservationId,
+        amounts: Option<&Amounts>,
+        ttl_ms: Option<u64>,
+    ) -> Result<Reservation, StoreError<ExtendError>> {
+        let a = self.inner.extend(id, amounts, ttl_ms).await;
+        self.check(a)
+    }
+
+    async fn get(&self, id: ReservationId) -> Result<Option<Reservation>, Unavailable> {
+        let a = self.inner.get(id).await;
+        self.check(a)
+    }
+
+    async fn status(&self, scope: &ScopeKey) -> Result<ScopeStatus, Unavailable> {
+        let a = self.inner.status(scope).await;
+        self.check(a)
+    }
+
+    async fn adjust(
+        &self,
+        scope: &ScopeKey,
+        dimension: Dimension,
+        credit: i64,
+    ) -> Result<ScopeStatus, StoreError<AdminError>> {
+        let a = self.inner.adjust(scope, dimension, credit).await;
+        self.check(a)
+    }
+
+    async fn catalog(&self) -> Result<Arc<Catalog>, Unavailable> {
+        self.inner.catalog().await
+    }
+
+    async fn change_catalog(&self, change: &CatalogChange) -> Result<(), StoreError<AdminError>> {
+        let a = self.inner.change_catalog(change).await;
+        self.check(a)
+    }
+
+    async fn expire_due(&self) -> Result<u64, Unavailable> {
+        let a = self.inner.expire_due().await;
+        self.check(a)
+    }
+}
+
+/// One `#[tokio::test]` per case and shard count. The list must name every
+/// case: `every_case_has_a_test` fails otherwise.
+macro_rules! conformance {
+    ($($case:ident),* $(,)?) => {
+        const TESTED: &[&str] = &[$(stringify!($case)),*];
+
+        mod one_shard {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    run_case(&Embedded { shards: 1 }, stringify!($case)).await;
+                }
+            )*
+        }
+
+        mod sixteen_shards {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    run_case(&Embedded { shards: 16 }, stringify!($case)).await;
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    reserve_settle_happy_path,
+    refund_happy_path,
+    settle_with_model_and_charges,
+    overrun_policies,
+    all_or_nothing,
+    seed_000_walkthrough,
+    rate_limited_sliding_usage,
+    rate_limited_by_holds,
+    rate_limited_bucket,
+    rate_limited_calendar,
+    rate_limited_concurrent,
+    rate_limited_total_holds,
+    budget_exhausted,
+    exceeds_limit,
+    denial_precedence,
+    settle_is_idempotent,
+    refund_is_idempotent,
+    refund_after_settle_conflicts,
+    settle_after_refund_conflicts,
+    refund_after_expiry_succeeds,
+    unknown_reservation,
+    late_settle_after_expiry,
+    extend_amounts_all_or_nothing,
+    extend_ttl,
+    extend_not_held,
+    expiry_observed_by_reads,
+    idempotency_key_replays,
+    idempotency_key_conflicts,
+    denied_attempt_binds_no_key,
+    dry_run_changes_nothing,
+    dry_run_answers_like_reserve,
+    plan_change_keeps_history,
+    plan_change_keeps_live_promises,
+    override_and_clear,
+    adjust_total,
+    shared_scope_counts_everybody,
+    unused_scope_answers_its_plan,
+    invalid_reserve_changes_nothing,
+    invalid_settle_changes_nothing,
+    invalid_extend_and_adjust,
+    seed_002_race,
+    racing_settles_add_up,
+);
+
+/// No case is left without its own test, and no test names a case that
+/// does not exist.
+#[test]
+fn every_case_has_a_test() {
+    let listed: BTreeSet<&str> = cases().iter().map(|c| c.name).collect();
+    let tested: BTreeSet<&str> = TESTED.iter().copied().collect();
+    assert_eq!(listed, tested);
+    assert_eq!(listed.len(), cases().len(), "case names are unique");
+}
+
+/// `run_all` runs the whole suite in one go (here on 4 shards, a count the
+/// per-case tests do not use).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_all_on_four_shards() {
+    run_all(&Embedded { shards: 4 }).await;
+}
