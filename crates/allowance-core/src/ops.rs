@@ -661,7 +661,9 @@ impl<'a> Locked<'a> {
                 rec.res.held.clone(),
                 rec.res.model.clone(),
                 rec.res.overrun,
-                rec.res.scopes.clone(),
+                // A HELD reservation's holds know their scopes' slots; only a
+                // late settle needs the names (no reference count otherwise).
+                (rec.res.status == Status::Expired).then(|| rec.res.scopes.clone()),
             )
         };
         match status {
@@ -741,7 +743,7 @@ impl<'a> Locked<'a> {
                 }
             }
             self.release_all(id, now);
-        } else {
+        } else if let Some(scopes) = &scopes {
             for key in scopes.as_slice() {
                 self.scope_part(key)
                     .scope_mut(catalog, key, now)

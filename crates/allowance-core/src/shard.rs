@@ -628,13 +628,14 @@ impl ShardState {
     }
 
     fn forget(&mut self, id: ReservationId, at: u64) {
-        let Some(rec) = self.records.get(&id) else {
+        // One lookup: the record is cold by now (it ended a retention ago).
+        let std::collections::hash_map::Entry::Occupied(entry) = self.records.entry(id) else {
             return;
         };
-        if rec.drop_at != at || rec.res.status == Status::Held {
+        if entry.get().drop_at != at || entry.get().res.status == Status::Held {
             return; // a later settle moved its retention
         }
-        let rec = self.records.remove(&id).expect("just looked up");
+        let rec = entry.remove();
         if let Some(key) = &rec.res.idempotency_key {
             let k = idempotency_key(rec.res.scopes.tenant_name(), key);
             if self.idempotency.get(&k) == Some(&id) {
