@@ -290,6 +290,16 @@ fn add_into(a: &mut Amounts, b: &Amounts) {
     }
 }
 
+/// The slot of reservation `id`'s hold in one locked shard: its home hold,
+/// or a foreign hold for the shared scopes that shard owns.
+fn hold_slot(part: &ShardState, is_home: bool, id: ReservationId) -> u32 {
+    if is_home {
+        part.records.get(&id).map_or(NO_SLOT, |r| r.hold_slot)
+    } else {
+        part.foreign.get(&id).copied().unwrap_or(NO_SLOT)
+    }
+}
+
 impl<'a> Locked<'a> {
     fn part(&mut self, shard: usize) -> &mut ShardState {
         let i = self
@@ -733,11 +743,7 @@ impl<'a> Locked<'a> {
             // The holds know their scopes' slots: record there, then release.
             for pi in 0..self.parts.len() {
                 let part = &mut *self.parts[pi].1;
-                let slot = if pi == self.home {
-                    part.records.get(&id).map_or(NO_SLOT, |r| r.hold_slot)
-                } else {
-                    part.foreign.get(&id).copied().unwrap_or(NO_SLOT)
-                };
+                let slot = hold_slot(part, pi == self.home, id);
                 if slot != NO_SLOT {
                     part.record_on_hold(catalog, slot, now, &charged);
                 }
@@ -842,11 +848,7 @@ impl<'a> Locked<'a> {
         let home = self.home;
         for pi in 0..self.parts.len() {
             let part = &mut *self.parts[pi].1;
-            let slot = if pi == home {
-                part.records.get(&id).map_or(NO_SLOT, |r| r.hold_slot)
-            } else {
-                part.foreign.get(&id).copied().unwrap_or(NO_SLOT)
-            };
+            let slot = hold_slot(part, pi == home, id);
             if slot == NO_SLOT {
                 continue;
             }
