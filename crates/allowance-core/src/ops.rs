@@ -615,13 +615,13 @@ impl<'a> Locked<'a> {
         let home = self.home();
         home.records.insert(
             id,
-            Record {
+            Box::new(Record {
                 res,
                 sent: req.amounts.clone(),
                 hold_slot: home_slot,
                 multi_shard,
                 drop_at: 0,
-            },
+            }),
         );
         if let Some(k) = idem {
             home.idempotency.insert(k, id);

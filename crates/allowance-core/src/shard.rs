@@ -305,7 +305,10 @@ pub(crate) struct ShardState {
     pub(crate) index: hashbrown::HashMap<ScopeKey, u32, RandomState>,
     pub(crate) scopes: Vec<Option<ScopeState>>,
     pub(crate) free_scopes: Vec<u32>,
-    pub(crate) records: HashMap<ReservationId, Record, RandomState>,
+    /// Boxed: the map stays small and dense (hot in cache), and the record
+    /// forgotten a retention ago frees the very block the next reserve's
+    /// record reuses, so the new record is written to warm memory.
+    pub(crate) records: HashMap<ReservationId, Box<Record>, RandomState>,
     pub(crate) holds: Vec<Option<Hold>>,
     pub(crate) free_slots: Vec<u32>,
     pub(crate) foreign: HashMap<ReservationId, u32, RandomState>,
