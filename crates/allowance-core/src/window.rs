@@ -7,8 +7,10 @@
 //! are kept per (scope, dimension) and subtracted at check time, so releasing
 //! a hold is exact whatever the window did meanwhile.
 //!
-//! - **sliding** — `1 + ⌈slices/2⌉` words: the total, then the slices as
-//!   `u32` halves (a 24-slice window is 96 bytes, not 192). Slice `k` covers
+//! - **sliding** — `3 + ⌈slices/2⌉` words: the total, the end and ring
+//!   position of the current slice (so the hot path compares instead of
+//!   dividing), then the slices as `u32` halves (a 24-slice window is 96
+//!   bytes, not 192). Slice `k` covers
 //!   `[k·w, (k+1)·w)` with `w = period / slices`, aligned to the epoch; the
 //!   window is the current slice and the `slices − 1` before it. A slice that
 //!   would pass `u32::MAX` moves that limit to wide `u64` slices kept aside.
@@ -27,10 +29,14 @@
 use crate::calendar;
 use crate::limit::{Fast, Limit, Window};
 
+/// Where a sliding window's slices start in its words: after the total, the
+/// end of the current slice, and the current slice's ring position.
+const SLICES_AT: usize = 3;
+
 /// Words of state a window needs.
 pub(crate) fn words_for(w: &Window) -> usize {
     match w {
-        Window::Sliding { slices, .. } => 1 + (*slices as usize).div_ceil(2),
+        Window::Sliding { slices, .. } => SLICES_AT + (*slices as usize).div_ceil(2),
         Window::Bucket { .. } | Window::Calendar { .. } => 2,
         Window::Total => 1,
         Window::Concurrent => 0,
@@ -97,11 +103,23 @@ fn set_deficit(words: &mut [u64], d: u128) {
 }
 
 impl State<'_> {
+    /// The ring position of the slice holding `now_ms`: cached by the last
+    /// advance when `now_ms` is in that slice (it always is after one).
+    #[inline]
+    fn ring_index(&self, now_ms: u64, width_ms: u64, slices: u64) -> usize {
+        let end = self.words[1];
+        if now_ms < end && now_ms >= end.saturating_sub(width_ms) {
+            self.words[2] as usize
+        } else {
+            ((now_ms / width_ms) % slices) as usize
+        }
+    }
+
     #[inline]
     fn slices(&mut self) -> Slices<'_> {
         match &mut self.wide {
             Some(w) => Slices::Wide(w),
-            None => Slices::Narrow(&mut self.words[1..]),
+            None => Slices::Narrow(&mut self.words[SLICES_AT..]),
         }
     }
 
@@ -113,7 +131,14 @@ impl State<'_> {
                 width_ms: w,
                 slices: n,
             } => {
+                // Still in the slice of the last advance: a compare, not a
+                // division (64-bit divisions cost tens of cycles each).
+                if now_ms < self.words[1] {
+                    return;
+                }
                 let (s0, s1) = (from_ms / w, now_ms / w);
+                self.words[1] = (s1 + 1).saturating_mul(w);
+                self.words[2] = s1 % n;
                 if s1 <= s0 {
                     return;
                 }
@@ -198,8 +223,8 @@ impl State<'_> {
     pub(crate) fn needs_wide(&self, now_ms: u64, amount: u64) -> bool {
         match (self.limit.fast, &self.wide) {
             (Fast::Sliding { width_ms, slices }, None) => {
-                let i = ((now_ms / width_ms) % slices) as usize;
-                let cur = (self.words[1 + i / 2] >> ((i % 2) * 32)) & 0xffff_ffff;
+                let i = self.ring_index(now_ms, width_ms, slices);
+                let cur = (self.words[SLICES_AT + i / 2] >> ((i % 2) * 32)) & 0xffff_ffff;
                 cur.saturating_add(amount) > u64::from(u32::MAX)
             }
             _ => false,
@@ -210,7 +235,7 @@ impl State<'_> {
     pub(crate) fn widen(&self) -> Box<[u64]> {
         match self.limit.fast {
             Fast::Sliding { slices, .. } => (0..slices as usize)
-                .map(|i| (self.words[1 + i / 2] >> ((i % 2) * 32)) & 0xffff_ffff)
+                .map(|i| (self.words[SLICES_AT + i / 2] >> ((i % 2) * 32)) & 0xffff_ffff)
                 .collect(),
             _ => Box::new([]),
         }
@@ -224,7 +249,7 @@ impl State<'_> {
     pub(crate) fn record(&mut self, now_ms: u64, amount: u64) {
         match self.limit.fast {
             Fast::Sliding { width_ms, slices } => {
-                let i = ((now_ms / width_ms) % slices) as usize;
+                let i = self.ring_index(now_ms, width_ms, slices);
                 self.words[0] = self.words[0].saturating_add(amount);
                 let mut sl = self.slices();
                 let v = sl.get(i).saturating_add(amount);
