@@ -127,9 +127,9 @@ fn check_scope(
     best: &mut Option<Candidate>,
 ) {
     for li in 0..st.plan.limits().len() {
-        let (dim, cap, kind) = {
+        let (dim, cap) = {
             let l = &st.plan.limits()[li];
-            (l.dimension(), l.capacity(), l.window().kind())
+            (l.dimension(), l.capacity())
         };
         let req = requested(dim);
         if only_positive && req == 0 {
@@ -139,6 +139,8 @@ fn check_scope(
         if st.state(li).fits(req, held) {
             continue;
         }
+        // Refused: everything below is the denial's detail, off the hot path.
+        let kind = st.plan.limits()[li].window().kind();
         let earliest = st.earliest_expiry();
         let mut s = st.state(li);
         let used = s.used();
