@@ -7,13 +7,6 @@ use crate::reservation::{ReservationId, Status};
 use crate::shard::{NO_SLOT, ShardState};
 use crate::units::{Amounts, Dimension};
 
-fn add(a: &mut Amounts, b: &Amounts) {
-    for (d, v) in b.iter() {
-        let s = a.get(d).saturating_add(v);
-        a.set(d, s);
-    }
-}
-
 /// Checks one shard. `Err` describes the first broken invariant.
 pub(crate) fn check_shard(shard: usize, st: &ShardState) -> Result<(), String> {
     let fail = |what: String| Err(format!("shard {shard}: {what}"));
@@ -51,7 +44,7 @@ pub(crate) fn check_shard(shard: usize, st: &ShardState) -> Result<(), String> {
             }
             let e = per_scope.entry(key.as_str()).or_default();
             e.0 += 1;
-            add(&mut e.1, &hold.amounts);
+            e.1.add(&hold.amounts);
         }
         if hold.foreign {
             if st.foreign.get(&hold.owner) != Some(&(slot as u32)) {

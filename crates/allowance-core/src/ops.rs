@@ -285,13 +285,6 @@ fn check_amounts(catalog: &Catalog, amounts: &Amounts, prefix: &str) -> Result<(
     Ok(())
 }
 
-fn add_into(a: &mut Amounts, b: &Amounts) {
-    for (d, v) in b.iter() {
-        let s = a.get(d).saturating_add(v);
-        a.set(d, s);
-    }
-}
-
 /// The slot of reservation `id`'s hold in one locked shard: its home hold,
 /// or a foreign hold for the shared scopes that shard owns.
 fn hold_slot(part: &ShardState, is_home: bool, id: ReservationId) -> u32 {
@@ -737,7 +730,7 @@ impl<'a> Locked<'a> {
                 .get(Dimension::COST_MICROS)
                 .saturating_add(c.cost_micros);
             charged.set(Dimension::COST_MICROS, cost);
-            add_into(&mut charged, &c.amounts);
+            charged.add(&c.amounts);
         }
 
         // 3. Nothing can fail past this point.
@@ -862,7 +855,7 @@ impl<'a> Locked<'a> {
             }
         }
         let rec = self.home().records.get_mut(&id).expect("looked up above");
-        add_into(&mut rec.res.held, &delta);
+        rec.res.held.add(&delta);
         if let Some(e) = new_expiry {
             rec.res.expires_at = Timestamp::from_millis(e);
         }
@@ -889,8 +882,7 @@ impl<'a> Locked<'a> {
                 st
             }
             None => {
-                fresh = ScopeState::new(catalog.plan_for(key).clone(), catalog.epoch());
-                fresh.advance(now);
+                fresh = ScopeState::new(catalog.plan_for(key).clone(), catalog.epoch(), now);
                 &mut fresh
             }
         };
@@ -916,7 +908,11 @@ impl<'a> Locked<'a> {
             return Err(Invalid::new("amount", "above the largest amount, 2^53").into());
         }
         let plan = catalog.plan_for(key);
-        if !ShardState::limits_with(plan, dim, |w| matches!(w, Window::Total)) {
+        let has_total = plan
+            .limits()
+            .iter()
+            .any(|l| l.dimension() == dim && *l.window() == Window::Total);
+        if !has_total {
             return Err(AdminError::NotFound(format!(
                 "a total limit on {} for {key}",
                 catalog.dimension_name(dim)

@@ -17,7 +17,7 @@ use smallvec::SmallVec;
 
 use crate::catalog::Catalog;
 use crate::heap::{Entry, IndexedHeap};
-use crate::limit::{Limit, Window};
+use crate::limit::Limit;
 use crate::plan::Plan;
 use crate::reservation::{Reservation, ReservationId, Status};
 use crate::scope::{ScopeKey, ScopeSet};
@@ -27,9 +27,6 @@ use crate::window::{self, State};
 /// A slot that holds nothing.
 pub(crate) const NO_SLOT: u32 = u32::MAX;
 
-/// Held amounts of one scope (O(1) for the built-in dimensions).
-pub(crate) type Held = Amounts;
-
 /// What a scope holds beyond its windows; only scopes that held something
 /// recently (or have wide slices) pay for it. It stays allocated while the
 /// scope is busy and is trimmed when the scope is found idle, so a hot scope
@@ -37,7 +34,7 @@ pub(crate) type Held = Amounts;
 #[derive(Debug, Default)]
 pub(crate) struct Extra {
     /// Held amounts per dimension (implied dimensions are `held_count`).
-    pub(crate) held: Held,
+    pub(crate) held: Amounts,
     /// The expiries of the holds on this scope, for "the earliest of the
     /// scope's HELD reservations expires" (retry_after, resets_at).
     pub(crate) holders: IndexedHeap,
@@ -61,8 +58,9 @@ pub(crate) struct ScopeState {
 }
 
 impl ScopeState {
-    pub(crate) fn new(plan: Arc<Plan>, epoch: u64) -> Self {
-        ScopeState {
+    /// A scope with no history, its windows set up at `now_ms`.
+    pub(crate) fn new(plan: Arc<Plan>, epoch: u64, now_ms: u64) -> Self {
+        let mut st = ScopeState {
             words: vec![0; plan.words as usize].into(),
             plan,
             epoch,
@@ -70,6 +68,19 @@ impl ScopeState {
             gc_queued: false,
             wide_mask: 0,
             extra: None,
+        };
+        st.words[0] = now_ms;
+        st.set_up(0..st.plan.limits().len());
+        st
+    }
+
+    /// Sets up limits that start from nothing at the instant the scope is
+    /// at: a calendar window needs its end now, not at the next instant, and
+    /// a sliding window its current slice.
+    fn set_up(&mut self, limits: impl Iterator<Item = usize>) {
+        let at = self.words[0];
+        for i in limits {
+            self.state(i).advance(0, at);
         }
     }
 
@@ -112,12 +123,7 @@ impl ScopeState {
         }
         self.words = words;
         self.plan = plan.clone();
-        // New limits start from nothing, set up at the instant the others
-        // are at (a calendar window needs its end now, not at the next change).
-        let touched = self.words[0];
-        for j in fresh {
-            self.state(j).advance(0, touched);
-        }
+        self.set_up(fresh.into_iter());
         self.wide_mask = wide.iter().fold(0, |m, (k, _)| m | (1 << k));
         if !wide.is_empty() {
             self.extra.get_or_insert_with(Default::default).wide = wide;
@@ -162,10 +168,9 @@ impl ScopeState {
     #[inline]
     pub(crate) fn advance(&mut self, now_ms: u64) {
         let from = self.words[0];
-        // Advancing to the same instant is a no-op for every window that is
-        // set; a fresh scope (touched 0) and the fresh limits of a plan
-        // change (see `sync`) are set up apart, so the hot path returns here.
-        if now_ms < from || (now_ms == from && from != 0) {
+        // Every window is set up at `from` (see `set_up`): the same instant
+        // changes nothing.
+        if now_ms <= from {
             return;
         }
         for i in 0..self.plan.limits().len() {
@@ -377,7 +382,7 @@ impl ShardState {
             ..
         } = self;
         let slot = *index.entry_ref(key).or_insert_with(|| {
-            let st = ScopeState::new(catalog.plan_for(key).clone(), catalog.epoch());
+            let st = ScopeState::new(catalog.plan_for(key).clone(), catalog.epoch(), now_ms);
             match free_scopes.pop() {
                 Some(s) => {
                     scopes[s as usize] = Some(st);
@@ -528,10 +533,7 @@ impl ShardState {
         let Some(Some(hold)) = holds.get_mut(slot as usize) else {
             return;
         };
-        for (d, a) in delta.iter() {
-            let v = hold.amounts.get(d).saturating_add(a);
-            hold.amounts.set(d, v);
-        }
+        hold.amounts.add(delta);
         for (_, s) in hold.local_slots() {
             if let Some(extra) = live(scopes, s).extra.as_mut() {
                 extra.held.add(delta);
@@ -684,12 +686,5 @@ impl ShardState {
                 None => {} // a used total budget: kept until an admin credit
             }
         }
-    }
-
-    /// Whether a plan limits a dimension with a window of some kind.
-    pub(crate) fn limits_with(plan: &Plan, dim: Dimension, kind: fn(&Window) -> bool) -> bool {
-        plan.limits()
-            .iter()
-            .any(|l| l.dimension() == dim && kind(l.window()))
     }
 }
