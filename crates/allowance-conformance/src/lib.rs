@@ -158,6 +158,7 @@ pub fn cases() -> Vec<Case> {
         case!(lifecycle::extend_ttl, standard),
         case!(lifecycle::extend_not_held, standard),
         case!(lifecycle::expiry_observed_by_reads, standard),
+        case!(lifecycle::stats_count_held_and_expired, standard),
         case!(idempotency::idempotency_key_replays, standard),
         case!(idempotency::idempotency_key_conflicts, standard),
         case!(idempotency::denied_attempt_binds_no_key, standard),

@@ -430,3 +430,27 @@ pub(crate) async fn expiry_observed_by_reads(h: Harness) {
     );
     assert_eq!(h.status("tenant:acme").await.held_reservations, 1);
 }
+
+/// The counters a server exports: HELD reservations (a reservation on a
+/// shared scope counted once) and holds expired so far.
+pub(crate) async fn stats_count_held_and_expired(h: Harness) {
+    let stats = || async { h.store.stats().await.expect("stats: store unavailable") };
+    assert_eq!(stats().await.held_reservations, 0);
+    let mut short = h
+        .request("acme", &[("tool", "search")], tokens(1_000))
+        .await;
+    short.ttl_ms = Some(1_000);
+    let r1 = h.reserve(&short).await.id;
+    let r2 = h.hold("beta", &[], tokens(1_000)).await;
+    let r3 = h.hold("acme", &[], tokens(1_000)).await;
+    assert_eq!(stats().await.held_reservations, 3);
+    h.settle(r2, &usage(tokens(10))).await;
+    h.refund(r3).await;
+    assert_eq!(stats().await.held_reservations, 1);
+    let before = stats().await.expired_total;
+    h.set_ms(1_000);
+    let after = stats().await;
+    assert_eq!(after.held_reservations, 0, "the stats read observes expiry");
+    assert!(after.expired_total > before, "the expiry is counted");
+    assert_eq!(h.get(r1).await.status, Status::Expired);
+}

@@ -9,7 +9,8 @@ use allowance_conformance::{StoreFactory, cases, run_all, run_case};
 use allowance_core::{
     AdminError, Amounts, Catalog, CatalogChange, Clock, Dimension, EmbeddedStore, ExtendError,
     Granted, ManualClock, RefundError, Reservation, ReservationId, ReserveError, ReserveRequest,
-    ScopeKey, ScopeStatus, SeededIds, SettleError, Store, StoreError, Unavailable, Usage,
+    ScopeKey, ScopeStatus, SeededIds, SettleError, Store, StoreError, StoreStats, Unavailable,
+    Usage,
 };
 
 /// Embedded stores of `shards` shards with deterministic ids.
@@ -109,6 +110,11 @@ impl Store for Checked {
         let a = self.inner.expire_due().await;
         self.check(a)
     }
+
+    async fn stats(&self) -> Result<StoreStats, Unavailable> {
+        let a = self.inner.stats().await;
+        self.check(a)
+    }
 }
 
 /// One `#[tokio::test]` per case and shard count. The list must name every
@@ -166,6 +172,7 @@ conformance!(
     extend_ttl,
     extend_not_held,
     expiry_observed_by_reads,
+    stats_count_held_and_expired,
     idempotency_key_replays,
     idempotency_key_conflicts,
     denied_attempt_binds_no_key,

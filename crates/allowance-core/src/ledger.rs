@@ -133,7 +133,7 @@ impl Ledger {
     }
 
     /// Expires every hold due at `now`, forgets what passed its retention and
-    /// drops idle scopes. Returns the number of holds expired so far in all.
+    /// drops idle scopes. Returns the number of reservations expired so far.
     pub fn expire_due(&mut self, now: Timestamp) -> u64 {
         let Shard { catalog, st } = &mut self.shard;
         st.observe(catalog, now.as_millis(), usize::MAX);

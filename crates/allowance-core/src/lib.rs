@@ -90,6 +90,6 @@ pub use scope::{MAX_ID_LEN, MAX_KIND_LEN, ScopeKey, ScopeSet, TENANT_KIND, valid
 pub use shared::{Outcome, SharedLedger};
 pub use store::{
     CatalogChange, Clock, EmbeddedStore, IdSource, ManualClock, SeededIds, Store, StoreError,
-    Unavailable,
+    StoreStats, Unavailable,
 };
 pub use units::{Amounts, Dimension, MAX_AMOUNT, Timestamp};

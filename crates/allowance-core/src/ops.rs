@@ -503,6 +503,7 @@ impl<'a> Locked<'a> {
                         replayed: true,
                         dry_run: false,
                         held: rec.res.held.clone(),
+                        created_at: rec.res.created_at,
                         expires_at: rec.res.expires_at,
                         remaining: Vec::new(),
                     });
@@ -537,6 +538,7 @@ impl<'a> Locked<'a> {
                 replayed: false,
                 dry_run: true,
                 held,
+                created_at: Timestamp::from_millis(now),
                 expires_at,
                 remaining,
             });
@@ -627,6 +629,7 @@ impl<'a> Locked<'a> {
             replayed: false,
             dry_run: false,
             held,
+            created_at: Timestamp::from_millis(now),
             expires_at: Timestamp::from_millis(expires_ms),
             remaining,
         })

@@ -177,6 +177,8 @@ pub struct Granted {
     /// The amounts held (derived `tokens` and `cost_micros` included;
     /// `requests` and `concurrent` are implied).
     pub held: Amounts,
+    /// When the reservation was made (for a replay, the original instant).
+    pub created_at: Timestamp,
     /// When the hold expires.
     pub expires_at: Timestamp,
     /// Every limit's room, when asked for (`report_remaining`, dry runs).

@@ -324,7 +324,7 @@ pub(crate) struct ShardState {
     pub(crate) gc: BinaryHeap<Reverse<(u64, ScopeKey)>>,
     /// The latest instant this shard has seen: time never goes backwards here.
     pub(crate) now_ms: u64,
-    /// Expired holds processed (a counter for metrics and tests).
+    /// Reservations expired in this shard (their home): a counter for metrics.
     pub(crate) expired_count: u64,
 }
 
@@ -582,10 +582,11 @@ impl ShardState {
                 break;
             }
             let hold = self.release_hold(top.slot, now);
-            self.expired_count += 1;
             if hold.foreign {
                 self.foreign.remove(&hold.owner);
             } else if let Some(rec) = self.records.get_mut(&hold.owner) {
+                // Counted in the home shard only: one per reservation.
+                self.expired_count += 1;
                 rec.res.status = Status::Expired;
                 rec.res.ended_at = Some(crate::Timestamp::from_millis(hold.expires_ms));
                 rec.hold_slot = NO_SLOT;

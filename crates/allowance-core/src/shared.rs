@@ -286,7 +286,7 @@ impl SharedLedger {
 
     /// Expires every hold due at `now` in every shard (one shard locked at a
     /// time), forgets what passed its retention and drops idle scopes.
-    /// Returns the number of holds expired so far in all.
+    /// Returns the number of reservations expired so far in all.
     pub fn expire_due(&self, now: Timestamp) -> u64 {
         self.shards
             .iter()
@@ -307,6 +307,17 @@ impl SharedLedger {
     /// Number of HELD holds in all shards (foreign holds included).
     pub fn hold_count(&self) -> usize {
         self.shards.iter().map(|s| s.0.lock().st.expiry.len()).sum()
+    }
+
+    /// Number of HELD reservations (each counted once, in its home shard).
+    pub fn held_reservations(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| {
+                let g = s.0.lock();
+                g.st.expiry.len() - g.st.foreign.len()
+            })
+            .sum()
     }
 
     /// Checks every invariant, each shard's and across shards, after all

@@ -100,6 +100,15 @@ pub enum StoreError<E> {
     Unavailable(#[from] Unavailable),
 }
 
+/// Counters a server exports as metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StoreStats {
+    /// Reservations HELD now.
+    pub held_reservations: u64,
+    /// Reservations expired since the store started.
+    pub expired_total: u64,
+}
+
 /// An admin change to the catalog.
 #[derive(Clone, Debug)]
 pub enum CatalogChange {
@@ -171,8 +180,10 @@ pub trait Store: Send + Sync + 'static {
     /// Changes the configuration, effective for the next operation.
     async fn change_catalog(&self, change: &CatalogChange) -> Result<(), StoreError<AdminError>>;
     /// Expires what is due (a background sweeper calls this); returns the
-    /// number of holds expired so far.
+    /// number of reservations expired so far.
     async fn expire_due(&self) -> Result<u64, Unavailable>;
+    /// Counters for metrics (expiry observed first).
+    async fn stats(&self) -> Result<StoreStats, Unavailable>;
 }
 
 /// The embedded, in-memory store: a [`SharedLedger`] with a clock and ids.
@@ -270,5 +281,13 @@ impl Store for EmbeddedStore {
 
     async fn expire_due(&self) -> Result<u64, Unavailable> {
         Ok(self.ledger.expire_due(self.clock.now()))
+    }
+
+    async fn stats(&self) -> Result<StoreStats, Unavailable> {
+        let expired_total = self.ledger.expire_due(self.clock.now());
+        Ok(StoreStats {
+            held_reservations: self.ledger.held_reservations() as u64,
+            expired_total,
+        })
     }
 }

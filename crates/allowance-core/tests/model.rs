@@ -394,8 +394,7 @@ struct Model {
     credits: Vec<Vec<(u64, Dimension, i64)>>,
     records: BTreeMap<ReservationId, MRec>,
     idempotency: HashMap<(String, String), ReservationId>,
-    expired_single: u64,
-    expired_shared: u64,
+    expired: u64,
 }
 
 fn kind_index(key: &ScopeKey) -> usize {
@@ -435,8 +434,7 @@ impl Model {
             credits: vec![Vec::new(); n],
             records: BTreeMap::new(),
             idempotency: HashMap::new(),
-            expired_single: 0,
-            expired_shared: 0,
+            expired: 0,
         };
         m.refresh_plans();
         m
@@ -522,9 +520,8 @@ impl Model {
                 // late): remembering it longer than asked is harmless, and
                 // idempotency keys expire exactly (from `ended_at`).
                 rec.drop_at = now + Self::keep_ms(&rec.res);
-                self.expired_single += 1;
+                self.expired += 1;
                 tally("observe: hold expired");
-                self.expired_shared += rec.holds;
             }
         }
         let gone: Vec<ReservationId> = self
@@ -919,6 +916,7 @@ impl Model {
                         replayed: true,
                         dry_run: false,
                         held: rec.res.held.clone(),
+                        created_at: rec.res.created_at,
                         expires_at: rec.res.expires_at,
                         remaining: Vec::new(),
                     });
@@ -950,6 +948,7 @@ impl Model {
                 replayed: false,
                 dry_run: true,
                 held,
+                created_at: ts(now),
                 expires_at,
                 remaining,
             });
@@ -995,6 +994,7 @@ impl Model {
             replayed: false,
             dry_run: false,
             held,
+            created_at: ts(now),
             expires_at,
             remaining,
         })
@@ -2217,11 +2217,8 @@ impl World {
             Op::ExpireDue => {
                 self.model.observe(now);
                 for e in &mut self.engines {
-                    let want = if e.is_shared() {
-                        self.model.expired_shared
-                    } else {
-                        self.model.expired_single
-                    };
+                    // Reservations expired, whatever the number of shards.
+                    let want = self.model.expired;
                     same(e.label(), "expire_due", &e.expire_due(now), &want)?;
                 }
             }
