@@ -234,13 +234,13 @@ impl Catalog {
                 "the tenant kind cannot be shared",
             ));
         }
-        if let Some(p) = plan {
-            if !self.plans.contains_key(p) {
-                return Err(Invalid::new(
-                    format!("kinds.{name}.plan"),
-                    format!("no plan named {p:?}"),
-                ));
-            }
+        if let Some(p) = plan
+            && !self.plans.contains_key(p)
+        {
+            return Err(Invalid::new(
+                format!("kinds.{name}.plan"),
+                format!("no plan named {p:?}"),
+            ));
         }
         self.kinds.insert(
             name.to_string(),
@@ -286,10 +286,10 @@ impl Catalog {
     /// Moves one scope to another plan or gives it its own limits.
     pub fn set_override(&mut self, scope: ScopeKey, over: Override) -> Result<(), AdminError> {
         self.check_scope(&scope).map_err(AdminError::Invalid)?;
-        if let Override::Plan(name) = &over {
-            if !self.plans.contains_key(name) {
-                return Err(AdminError::NotFound(format!("plan {name:?}")));
-            }
+        if let Override::Plan(name) = &over
+            && !self.plans.contains_key(name)
+        {
+            return Err(AdminError::NotFound(format!("plan {name:?}")));
         }
         self.overrides.insert(scope, over);
         self.bump();

@@ -251,15 +251,15 @@ fn derive(
         a.set(Dimension::TOKENS, input.saturating_add(output));
     }
     let mut unpriced = false;
-    if !a.contains(Dimension::COST_MICROS) {
-        if let Some(m) = model {
-            match catalog.model(m) {
-                Some(price) => a.set(
-                    Dimension::COST_MICROS,
-                    price.cost_micros(input, cached_input, output),
-                ),
-                None => unpriced = true,
-            }
+    if !a.contains(Dimension::COST_MICROS)
+        && let Some(m) = model
+    {
+        match catalog.model(m) {
+            Some(price) => a.set(
+                Dimension::COST_MICROS,
+                price.cost_micros(input, cached_input, output),
+            ),
+            None => unpriced = true,
         }
     }
     (a, unpriced)
@@ -806,14 +806,14 @@ impl<'a> Locked<'a> {
         if amounts.is_none() && ttl_ms.is_none() {
             return Err(Invalid::new("amounts", "extend needs amounts, ttl_ms or both").into());
         }
-        if let Some(t) = ttl_ms {
-            if t == 0 || t > settings.max_ttl_ms {
-                return Err(Invalid::new(
-                    "ttl_ms",
-                    format!("must be between 1 and {} ms", settings.max_ttl_ms),
-                )
-                .into());
-            }
+        if let Some(t) = ttl_ms
+            && (t == 0 || t > settings.max_ttl_ms)
+        {
+            return Err(Invalid::new(
+                "ttl_ms",
+                format!("must be between 1 and {} ms", settings.max_ttl_ms),
+            )
+            .into());
         }
         if let Some(a) = amounts {
             check_amounts(catalog, a, "amounts")?;

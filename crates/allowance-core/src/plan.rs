@@ -110,13 +110,13 @@ impl Plan {
         if queue_weight == 0 || queue_weight > 1000 {
             return Err(Invalid::new("queue_weight", "must be between 1 and 1000"));
         }
-        if let OverrunPolicy::AllowOverrun { percent } = overrun {
-            if percent > 10_000 {
-                return Err(Invalid::new(
-                    "overrun_percent",
-                    "must be between 0 and 10000",
-                ));
-            }
+        if let OverrunPolicy::AllowOverrun { percent } = overrun
+            && percent > 10_000
+        {
+            return Err(Invalid::new(
+                "overrun_percent",
+                "must be between 0 and 10000",
+            ));
         }
         for (i, a) in limits.iter().enumerate() {
             if limits[..i].iter().any(|b| b.same_history(a)) {

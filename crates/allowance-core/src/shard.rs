@@ -227,10 +227,12 @@ impl ScopeState {
 
     /// Drops the extra part once it holds nothing.
     pub(crate) fn trim_extra(&mut self) {
-        if let Some(e) = &self.extra {
-            if self.held_count == 0 && e.wide.is_empty() && e.held.is_empty() {
-                self.extra = None;
-            }
+        if let Some(e) = &self.extra
+            && self.held_count == 0
+            && e.wide.is_empty()
+            && e.held.is_empty()
+        {
+            self.extra = None;
         }
     }
 

@@ -120,6 +120,10 @@ pub enum CatalogChange {
     ClearOverride(ScopeKey),
     /// Define or replace a model's prices.
     SetModel(String, ModelPrice),
+    /// Register a custom dimension (a no-op when it exists). A plan built
+    /// against a copy of the catalog names its custom dimensions by number:
+    /// add them first, in the same order, with admin changes serialized.
+    AddDimension(String),
 }
 
 impl CatalogChange {
@@ -127,10 +131,16 @@ impl CatalogChange {
     pub fn apply(&self, c: &mut Catalog) -> Result<(), AdminError> {
         match self {
             CatalogChange::SetPlan(p) => {
+                known_dimensions(c, p)?;
                 c.set_plan(p.clone());
                 Ok(())
             }
-            CatalogChange::SetOverride(s, o) => c.set_override(s.clone(), o.clone()),
+            CatalogChange::SetOverride(s, o) => {
+                if let Override::Limits(p) = o {
+                    known_dimensions(c, p)?;
+                }
+                c.set_override(s.clone(), o.clone())
+            }
             CatalogChange::ClearOverride(s) => {
                 if c.clear_override(s) {
                     Ok(())
@@ -139,8 +149,26 @@ impl CatalogChange {
                 }
             }
             CatalogChange::SetModel(n, p) => c.set_model(n, p.clone()).map_err(AdminError::Invalid),
+            CatalogChange::AddDimension(name) => c
+                .add_dimension(name)
+                .map(|_| ())
+                .map_err(AdminError::Invalid),
         }
     }
+}
+
+/// Refuses a plan naming a dimension this catalog does not have (it was
+/// built against another catalog).
+fn known_dimensions(c: &Catalog, plan: &Plan) -> Result<(), AdminError> {
+    for (i, l) in plan.limits().iter().enumerate() {
+        if c.dimension_name(l.dimension()) == "unknown" {
+            return Err(AdminError::Invalid(crate::error::Invalid::new(
+                format!("limits[{i}].dimension"),
+                "a custom dimension the catalog does not have: add it first",
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// What a server needs from a ledger store. Every operation is atomic and

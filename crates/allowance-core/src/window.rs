@@ -166,12 +166,12 @@ impl State<'_> {
                 set_deficit(self.words, d.saturating_sub(refill));
             }
             Fast::Calendar => {
-                if now_ms >= self.words[0] {
-                    if let Window::Calendar { unit, zone } = self.limit.window() {
-                        let (_, end) = calendar::window_bounds(*unit, zone, now_ms);
-                        self.words[0] = end;
-                        self.words[1] = 0;
-                    }
+                if now_ms >= self.words[0]
+                    && let Window::Calendar { unit, zone } = self.limit.window()
+                {
+                    let (_, end) = calendar::window_bounds(*unit, zone, now_ms);
+                    self.words[0] = end;
+                    self.words[1] = 0;
                 }
             }
             Fast::Total | Fast::Concurrent => {}

@@ -1988,15 +1988,16 @@ impl World {
             Err(ReserveError::IdempotencyConflict { .. }) => "reserve: key conflict".to_string(),
             Err(ReserveError::DuplicateId) => "reserve: duplicate id".to_string(),
         });
-        if let Ok(g) = &want {
-            if !g.dry_run && !g.replayed {
-                self.issued.push((id, spec.clone()));
-            }
+        if let Ok(g) = &want
+            && !g.dry_run
+            && !g.replayed
+        {
+            self.issued.push((id, spec.clone()));
         }
-        if let Some(k) = key {
-            if !spec.dry_run {
-                self.keyed.push((spec.clone(), k));
-            }
+        if let Some(k) = key
+            && !spec.dry_run
+        {
+            self.keyed.push((spec.clone(), k));
         }
         Ok(())
     }
