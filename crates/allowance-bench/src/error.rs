@@ -1,0 +1,41 @@
+//! What can stop a benchmark before it measures anything.
+//!
+//! Once the run has started, nothing the server does is fatal: failures are
+//! counted in the [`Report`](crate::Report) instead.
+
+/// Why [`run`](crate::run) could not measure.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// An option is out of range or malformed; `field` names it as the CLI
+    /// does (`server`, `token`, `concurrency`, `duration`, `warmup`).
+    #[error("invalid {field}: {reason}")]
+    InvalidOption {
+        /// The option at fault.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The server could not be reached at all before the run started.
+    #[error("cannot connect to {addr}: {source}")]
+    Connect {
+        /// `host:port` as dialled.
+        addr: String,
+        /// The transport error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A worker task ended abnormally (a bug in the harness, not the server).
+    #[error("a bench worker failed: {0}")]
+    Worker(String),
+    /// The ceiling's no-op server could not be started.
+    #[error("cannot start the no-op server: {0}")]
+    Ceiling(#[source] std::io::Error),
+}
+
+/// A scenario name that is not one of `pairs`, `refund`, `contention`, `tenants`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown scenario {given:?}: expected one of pairs, refund, contention, tenants")]
+pub struct ParseScenarioError {
+    /// The name as given.
+    pub given: String,
+}
