@@ -1,0 +1,132 @@
+//! `allowance`: the budget and rate limiter for AI agents, as one command.
+//!
+//! ```text
+//! allowance serve [--config FILE] [--listen ADDR] [--data-dir DIR] [--insecure-no-auth]
+//! allowance init                      # print the starter configuration
+//! allowance check-config FILE         # validate; print the effective plans
+//! allowance status SCOPE [--server URL] [--token T]
+//! allowance bench [--server URL | --embedded] [--scenario NAME] [--duration 10s] [--concurrency 64]
+//! allowance token                     # a new token and its sha256
+//! ```
+
+#![forbid(unsafe_code)]
+
+mod bench;
+mod serve;
+mod status;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+/// Budgets and rate limits for AI agents: reserve an estimate, settle the actual.
+#[derive(Debug, Parser)]
+#[command(name = "allowance", version, about, long_about = None)]
+struct Cli {
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the HTTP service (the built-in starter configuration without --config).
+    Serve(serve::ServeArgs),
+    /// Print the commented starter configuration (what `serve` runs without a file).
+    Init,
+    /// Validate a configuration file and print its effective plans and warnings.
+    CheckConfig {
+        /// The TOML file.
+        file: PathBuf,
+    },
+    /// Show a scope's limits with fill bars.
+    Status(status::StatusArgs),
+    /// Load-test a server: throughput and latency of reserve+settle pairs.
+    Bench(bench::BenchArgs),
+    /// Serve the no-op ceiling of `bench` (same routes and bodies, fixed answers).
+    #[command(hide = true)]
+    BenchNoop {
+        /// Address to listen on.
+        #[arg(long, default_value = "127.0.0.1:8788")]
+        listen: std::net::SocketAddr,
+    },
+    /// Make a random API token and print it with its sha256 (for `[[tokens]]`).
+    Token,
+}
+
+fn init_logs(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+#[allow(clippy::print_stdout)]
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Init => {
+            print!("{}", allowance_config::STARTER);
+            ExitCode::SUCCESS
+        }
+        Command::CheckConfig { file } => check_config(&file),
+        Command::Token => {
+            let token = allowance_server::new_token();
+            println!("token:  {token}");
+            println!("sha256: {}", allowance_server::token_sha256_hex(&token));
+            println!();
+            println!("# in the configuration (keep the token itself secret):");
+            println!("[[tokens]]");
+            println!(
+                "sha256 = \"{}\"",
+                allowance_server::token_sha256_hex(&token)
+            );
+            println!("role = \"admin\"        # or role = \"tenant\" with tenant = \"...\"");
+            ExitCode::SUCCESS
+        }
+        Command::Serve(args) => {
+            init_logs(cli.log_format);
+            serve::run(args)
+        }
+        Command::Status(args) => status::run(args),
+        Command::Bench(args) => {
+            init_logs(cli.log_format);
+            bench::run(args)
+        }
+        Command::BenchNoop { listen } => {
+            init_logs(cli.log_format);
+            bench::noop(listen)
+        }
+    }
+}
+
+#[allow(clippy::print_stdout)]
+fn check_config(file: &std::path::Path) -> ExitCode {
+    match allowance_config::load(file) {
+        Ok(config) => {
+            print!("{}", allowance_config::plans_table(&config));
+            ExitCode::SUCCESS
+        }
+        Err(errors) => {
+            eprint!("{errors}");
+            ExitCode::from(2)
+        }
+    }
+}

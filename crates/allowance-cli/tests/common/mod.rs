@@ -1,0 +1,242 @@
+//! Black-box harness: starts the real `allowance` binary on a free
+//! 127.0.0.1 port and talks HTTP to it.
+#![allow(dead_code, missing_docs)]
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::Duration;
+
+use serde_json::Value;
+
+/// The binary under test.
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_allowance")
+}
+
+/// A running server; killed when dropped.
+pub struct Server {
+    child: Option<Child>,
+    pub base: String,
+    pub client: reqwest::Client,
+    pub log: Arc<Mutex<Vec<String>>>,
+    _dir: Option<tempfile::TempDir>,
+}
+
+/// Admin and tenant tokens configured by [`Server::with_tokens`].
+pub const ADMIN_TOKEN: &str = "test-admin-token";
+pub const ACME_TOKEN: &str = "test-acme-token";
+pub const BETA_TOKEN: &str = "test-beta-token";
+
+fn sha256_hex(token: &str) -> String {
+    allowance_server::token_sha256_hex(token)
+}
+
+/// The starter configuration plus three tokens: admin, acme, beta.
+pub fn config_with_tokens() -> String {
+    format!(
+        "{}\n[[tokens]]\nsha256 = \"{}\"\nrole = \"admin\"\n\n[[tokens]]\nsha256 = \"{}\"\nrole = \"tenant\"\ntenant = \"acme\"\n\n[[tokens]]\nsha256 = \"{}\"\nrole = \"tenant\"\ntenant = \"beta\"\n",
+        allowance_config::STARTER,
+        sha256_hex(ADMIN_TOKEN),
+        sha256_hex(ACME_TOKEN),
+        sha256_hex(BETA_TOKEN)
+    )
+}
+
+impl Server {
+    /// `allowance serve` with the built-in starter.
+    pub fn start() -> Server {
+        Self::spawn(&[], None)
+    }
+
+    /// `allowance serve --config FILE` with `toml` as the file.
+    pub fn with_config(toml: &str) -> Server {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("allowance.toml");
+        std::fs::write(&path, toml).expect("write config");
+        let p = path.to_string_lossy().to_string();
+        Self::spawn(&["--config", &p], Some(dir))
+    }
+
+    /// The starter with admin/acme/beta tokens.
+    pub fn with_tokens() -> Server {
+        Self::with_config(&config_with_tokens())
+    }
+
+    fn spawn(extra: &[&str], dir: Option<tempfile::TempDir>) -> Server {
+        let mut cmd = Command::new(bin());
+        cmd.args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0"])
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().expect("spawn allowance");
+        let stderr = child.stderr.take().expect("stderr");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let (tx, rx) = mpsc::channel::<String>();
+        let log2 = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if let Ok(v) = serde_json::from_str::<Value>(&line)
+                    && let Some(addr) = v["fields"]["address"].as_str()
+                {
+                    let _ = tx.send(addr.to_string());
+                }
+                log2.lock().unwrap().push(line);
+            }
+        });
+        // Generous: a cold debug binary on a loaded 2-core machine.
+        let addr = match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(a) => a,
+            Err(_) => {
+                let _ = child.kill();
+                panic!(
+                    "the server did not say where it listens; log:\n{}",
+                    log.lock().unwrap().join("\n")
+                );
+            }
+        };
+        Server {
+            child: Some(child),
+            base: format!("http://{addr}"),
+            client: reqwest::Client::new(),
+            log,
+            _dir: dir,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    /// SIGTERM, then wait for the exit (bounded generously).
+    pub fn terminate(mut self) -> ExitStatus {
+        let mut child = self.child.take().expect("running");
+        let _ = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
+        for _ in 0..600 {
+            if let Ok(Some(status)) = child.try_wait() {
+                return status;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        panic!("the server did not exit within 30 s of SIGTERM");
+    }
+
+    pub fn log_text(&self) -> String {
+        self.log.lock().unwrap().join("\n")
+    }
+
+    /// Sends a request; returns status, headers and the body as JSON (or
+    /// `Value::String` of the raw text when it is not JSON).
+    pub async fn send(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        body: Option<&str>,
+        content_type: Option<&str>,
+    ) -> Reply {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).expect("method");
+        let mut req = self.client.request(method, self.url(path));
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        if let Some(ct) = content_type {
+            req = req.header("content-type", ct);
+        }
+        if let Some(b) = body {
+            req = req.body(b.to_string());
+        }
+        let resp = req.send().await.expect("request");
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        let text = resp.text().await.expect("body");
+        let json = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        Reply {
+            status,
+            headers,
+            json,
+        }
+    }
+
+    pub async fn post(&self, path: &str, token: Option<&str>, body: &Value) -> Reply {
+        self.send(
+            "POST",
+            path,
+            token,
+            Some(&body.to_string()),
+            Some("application/json"),
+        )
+        .await
+    }
+
+    pub async fn put(&self, path: &str, token: Option<&str>, body: &Value) -> Reply {
+        self.send(
+            "PUT",
+            path,
+            token,
+            Some(&body.to_string()),
+            Some("application/json"),
+        )
+        .await
+    }
+
+    pub async fn get(&self, path: &str, token: Option<&str>) -> Reply {
+        self.send("GET", path, token, None, None).await
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// An answer.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub json: Value,
+}
+
+impl Reply {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    /// Asserts the status, printing the body when it differs.
+    pub fn expect(self, status: u16) -> Self {
+        assert_eq!(self.status, status, "unexpected answer: {}", self.json);
+        self
+    }
+
+    pub fn error_type(&self) -> &str {
+        self.json["error"]["type"].as_str().unwrap_or("")
+    }
+
+    pub fn field(&self) -> Option<&str> {
+        self.json["error"]["field"].as_str()
+    }
+}
+
+/// A config file in a temp dir, for the commands that take a path.
+pub fn config_file(toml: &str) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("allowance.toml");
+    std::fs::write(&path, toml).expect("write");
+    (dir, path)
+}

@@ -1,0 +1,351 @@
+//! The admin plane: plans, per-scope overrides, adjustments; and the scope
+//! routes (whose paths carry a `/` inside the scope name).
+
+use std::sync::Arc;
+
+use allowance_config::{LimitSpec, PlanSpec, plan_from_spec, plan_to_spec};
+use allowance_core::{Catalog, CatalogChange, Override, Plan};
+use axum::Router;
+use axum::extract::{Path, State};
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, put};
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use crate::AppState;
+use crate::error::{ApiError, ErrorBody, IntoApiError};
+use crate::extract::JsonBody;
+use crate::routes::{measured, scope_for};
+use crate::wire::{AdjustBody, ScopeOverrideBody, ScopeStatusView};
+
+pub(crate) fn router() -> Router<AppState> {
+    Router::new()
+        .route("/v1/plans", get(list_plans))
+        .route("/v1/plans/{name}", put(put_plan))
+        .route(
+            "/v1/scopes/{*rest}",
+            get(scope_get)
+                .put(scope_put)
+                .delete(scope_delete)
+                .post(scope_post),
+        )
+}
+
+/// A plan with its name.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PlanView {
+    /// The plan's name.
+    pub name: String,
+    /// Its limits and policies.
+    #[serde(flatten)]
+    pub spec: PlanSpec,
+}
+
+/// `GET /v1/plans`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PlansView {
+    /// Every plan, by name.
+    pub plans: Vec<PlanView>,
+}
+
+fn plan_view(plan: &Plan, catalog: &Catalog) -> PlanView {
+    PlanView {
+        name: plan.name().to_string(),
+        spec: plan_to_spec(plan, catalog),
+    }
+}
+
+/// Every plan.
+#[utoipa::path(get, path = "/v1/plans",
+    responses((status = 200, body = PlansView), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)),
+    security(("bearer" = [])))]
+pub(crate) async fn list_plans(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    measured("admin", async {
+        state
+            .credentials()
+            .authenticate(&headers)?
+            .require_admin()?;
+        let catalog = state.call(state.store().catalog()).await??;
+        let mut plans: Vec<PlanView> = catalog.plans().map(|p| plan_view(p, &catalog)).collect();
+        plans.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(("ok", axum::Json(PlansView { plans }).into_response()))
+    })
+    .await
+}
+
+fn valid_plan_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+/// Custom dimensions a list of limits names that the catalog lacks, in
+/// first-use order.
+fn new_dimensions(limits: &[LimitSpec], catalog: &Catalog) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for l in limits {
+        if catalog.dimension(&l.dimension).is_none() && !out.contains(&l.dimension) {
+            out.push(l.dimension.clone());
+        }
+    }
+    out
+}
+
+/// Validates `build` against a copy of the catalog (a refusal changes
+/// nothing), registers the custom dimensions it needs, then builds it again
+/// against the catalog in force and applies the change. Callers hold the
+/// admin lock, so nothing interleaves between the two steps.
+async fn apply_with_dimensions<T>(
+    state: &AppState,
+    limits: &[LimitSpec],
+    build: impl Fn(&mut Catalog) -> Result<T, allowance_core::Invalid>,
+    change: impl Fn(T) -> CatalogChange,
+) -> Result<T, ApiError>
+where
+    T: Clone,
+{
+    let catalog = state.call(state.store().catalog()).await??;
+    let mut scratch = (*catalog).clone();
+    build(&mut scratch)?;
+    for name in new_dimensions(limits, &catalog) {
+        state
+            .call(
+                state
+                    .store()
+                    .change_catalog(&CatalogChange::AddDimension(name)),
+            )
+            .await?
+            .map_err(|e| e.into_api(state.now(), &catalog))?;
+    }
+    let fresh = state.call(state.store().catalog()).await??;
+    let mut copy = (*fresh).clone();
+    let built = build(&mut copy)?;
+    state
+        .call(state.store().change_catalog(&change(built.clone())))
+        .await?
+        .map_err(|e| e.into_api(state.now(), &fresh))?;
+    Ok(built)
+}
+
+/// Define or change a plan; effective for the next operation of every
+/// scope on it.
+#[utoipa::path(put, path = "/v1/plans/{name}", request_body = PlanSpec,
+    params(("name" = String, Path, description = "[A-Za-z0-9._-]{1,64}")),
+    responses((status = 200, body = PlanView), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody)),
+    security(("bearer" = [])))]
+pub(crate) async fn put_plan(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+    body: Result<JsonBody<PlanSpec>, ApiError>,
+) -> Response {
+    measured("admin", async {
+        state
+            .credentials()
+            .authenticate(&headers)?
+            .require_admin()?;
+        let JsonBody(spec) = body?;
+        if !valid_plan_name(&name) {
+            return Err(ApiError::invalid(
+                Some("name".into()),
+                format!("invalid plan name {name:?}: expected [A-Za-z0-9._-]{{1,64}}"),
+            ));
+        }
+        let _serial = state.admin_lock().lock().await;
+        let plan = apply_with_dimensions(
+            &state,
+            &spec.limits,
+            |c| plan_from_spec(&name, &spec, c, ""),
+            CatalogChange::SetPlan,
+        )
+        .await?;
+        let catalog = state.call(state.store().catalog()).await??;
+        tracing::info!(plan = %name, "plan set through the admin API");
+        Ok(("ok", axum::Json(plan_view(&plan, &catalog)).into_response()))
+    })
+    .await
+}
+
+/// What follows the scope in a `/v1/scopes/…` path.
+enum ScopePath<'a> {
+    Scope(&'a str),
+    Override(&'a str),
+    Adjust(&'a str),
+}
+
+fn split(rest: &str) -> ScopePath<'_> {
+    // A scope segment is always `kind:id`, so a last segment without a
+    // colon can only be one of these suffixes.
+    if let Some(s) = rest.strip_suffix("/override") {
+        ScopePath::Override(s)
+    } else if let Some(s) = rest.strip_suffix("/adjust") {
+        ScopePath::Adjust(s)
+    } else {
+        ScopePath::Scope(rest)
+    }
+}
+
+async fn scope_get(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(rest): Path<String>,
+) -> Response {
+    match split(&rest) {
+        ScopePath::Scope(s) => crate::routes::scope_status(state, headers, s.to_string()).await,
+        _ => ApiError::method_not_allowed().into_response(),
+    }
+}
+
+async fn status_view(
+    state: &AppState,
+    key: &allowance_core::ScopeKey,
+) -> Result<Response, ApiError> {
+    let s = state.call(state.store().status(key)).await??;
+    Ok(axum::Json(ScopeStatusView::of(&s)).into_response())
+}
+
+/// Move a scope to another plan (a tier change) or give it its own limits;
+/// effective for the next operation.
+#[utoipa::path(put, path = "/v1/scopes/{scope}", request_body = ScopeOverrideBody,
+    params(("scope" = String, Path, description = "Canonical scope name")),
+    responses((status = 200, body = ScopeStatusView), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)),
+    security(("bearer" = [])))]
+pub(crate) async fn scope_put(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(rest): Path<String>,
+    body: Result<JsonBody<ScopeOverrideBody>, ApiError>,
+) -> Response {
+    let ScopePath::Scope(raw) = split(&rest) else {
+        return ApiError::method_not_allowed().into_response();
+    };
+    measured("admin", async {
+        let who = state.credentials().authenticate(&headers)?;
+        who.require_admin()?;
+        let JsonBody(body) = body?;
+        let catalog = state.call(state.store().catalog()).await??;
+        let key = scope_for(&catalog, &who, raw, true)?;
+        let _serial = state.admin_lock().lock().await;
+        match (body.plan, body.limits) {
+            (Some(plan), None) => {
+                let change = CatalogChange::SetOverride(key.clone(), Override::Plan(plan.clone()));
+                state
+                    .call(state.store().change_catalog(&change))
+                    .await?
+                    .map_err(|e| match e.into_api(state.now(), &catalog) {
+                        // An unknown plan is the body's fault, not a missing route.
+                        e if e.status() == 404 => ApiError::invalid(
+                            Some("plan".into()),
+                            format!("no plan named {plan:?}"),
+                        ),
+                        e => e,
+                    })?;
+                tracing::info!(scope = %key, plan = %plan, "scope moved to a plan");
+            }
+            (None, Some(limits)) => {
+                let spec = PlanSpec {
+                    limits,
+                    ..PlanSpec::default()
+                };
+                let name = format!("override:{key}");
+                apply_with_dimensions(
+                    &state,
+                    &spec.limits,
+                    |c| plan_from_spec(&name, &spec, c, ""),
+                    |p: Arc<Plan>| CatalogChange::SetOverride(key.clone(), Override::Limits(p)),
+                )
+                .await?;
+                tracing::info!(scope = %key, "scope given its own limits");
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    Some("plan".into()),
+                    "give exactly one of plan and limits",
+                ));
+            }
+        }
+        Ok(("ok", status_view(&state, &key).await?))
+    })
+    .await
+}
+
+/// Return a scope to its kind's default plan.
+#[utoipa::path(delete, path = "/v1/scopes/{scope}/override",
+    params(("scope" = String, Path, description = "Canonical scope name")),
+    responses((status = 200, body = ScopeStatusView), (status = 403, body = ErrorBody), (status = 404, description = "No override", body = ErrorBody)),
+    security(("bearer" = [])))]
+pub(crate) async fn scope_delete(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(rest): Path<String>,
+) -> Response {
+    let ScopePath::Override(raw) = split(&rest) else {
+        return ApiError::method_not_allowed().into_response();
+    };
+    measured("admin", async {
+        let who = state.credentials().authenticate(&headers)?;
+        who.require_admin()?;
+        let catalog = state.call(state.store().catalog()).await??;
+        let key = scope_for(&catalog, &who, raw, true)?;
+        let _serial = state.admin_lock().lock().await;
+        state
+            .call(
+                state
+                    .store()
+                    .change_catalog(&CatalogChange::ClearOverride(key.clone())),
+            )
+            .await?
+            .map_err(|e| e.into_api(state.now(), &catalog))?;
+        tracing::info!(scope = %key, "scope override cleared");
+        Ok(("ok", status_view(&state, &key).await?))
+    })
+    .await
+}
+
+/// Credit (amount > 0) or debit (amount < 0) a scope's `total` limits.
+#[utoipa::path(post, path = "/v1/scopes/{scope}/adjust", request_body = AdjustBody,
+    params(("scope" = String, Path, description = "Canonical scope name")),
+    responses((status = 200, body = ScopeStatusView), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)),
+    security(("bearer" = [])))]
+pub(crate) async fn scope_post(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(rest): Path<String>,
+    body: Result<JsonBody<AdjustBody>, ApiError>,
+) -> Response {
+    let ScopePath::Adjust(raw) = split(&rest) else {
+        return ApiError::method_not_allowed().into_response();
+    };
+    measured("admin", async {
+        let who = state.credentials().authenticate(&headers)?;
+        who.require_admin()?;
+        let JsonBody(body) = body?;
+        if body.reason.trim().is_empty() || body.reason.len() > 1024 {
+            return Err(ApiError::invalid(
+                Some("reason".into()),
+                "say why, in 1 to 1024 bytes",
+            ));
+        }
+        let catalog = state.call(state.store().catalog()).await??;
+        let key = scope_for(&catalog, &who, raw, true)?;
+        let Some(dim) = catalog.dimension(&body.dimension) else {
+            return Err(ApiError::invalid(
+                Some("dimension".into()),
+                format!("unknown dimension {:?}", body.dimension),
+            ));
+        };
+        let s = state
+            .call(state.store().adjust(&key, dim, body.amount.0))
+            .await?
+            .map_err(|e| e.into_api(state.now(), &catalog))?;
+        // The usage log (with the durable store) will carry this record;
+        // until then the audit trail is the structured log.
+        tracing::info!(scope = %key, dimension = %body.dimension, amount = body.amount.0,
+            reason = %body.reason, "admin adjustment");
+        Ok(("ok", axum::Json(ScopeStatusView::of(&s)).into_response()))
+    })
+    .await
+}

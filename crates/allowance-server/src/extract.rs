@@ -1,0 +1,150 @@
+//! Reading a JSON body, failing at the boundary with the precise answer:
+//! 415 for a body that is not `application/json`, 413 above the size limit
+//! (inclusive: exactly the limit passes), 400 naming the field otherwise.
+
+use axum::body::Body;
+use axum::extract::{FromRequest, Request};
+use axum::http::header::CONTENT_TYPE;
+use serde::de::DeserializeOwned;
+
+use crate::error::ApiError;
+
+/// Native API bodies: at most 64 KiB.
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+
+/// A body read and parsed; `Json<T>` with our errors.
+#[derive(Debug)]
+pub struct JsonBody<T>(pub T);
+
+/// A body that may be absent (refund): no bytes parse as `T::default()`.
+#[derive(Debug)]
+pub struct OptionalJsonBody<T>(pub T);
+
+fn is_json(req: &Request) -> bool {
+    let Some(ct) = req.headers().get(CONTENT_TYPE) else {
+        return false;
+    };
+    let Ok(ct) = ct.to_str() else { return false };
+    let essence = ct.split(';').next().unwrap_or("").trim();
+    essence.eq_ignore_ascii_case("application/json")
+        || (essence.len() > 5
+            && essence[..essence.len() - 5].contains('/')
+            && essence.to_ascii_lowercase().ends_with("+json"))
+}
+
+async fn read(req: Request) -> Result<bytes::Bytes, ApiError> {
+    let body: Body = req.into_body();
+    // One byte over the limit is enough to know it is too large.
+    match axum::body::to_bytes(body, MAX_BODY_BYTES).await {
+        Ok(b) => Ok(b),
+        Err(e) => {
+            let too_large = std::error::Error::source(&e)
+                .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
+            if too_large {
+                Err(ApiError::payload_too_large(MAX_BODY_BYTES))
+            } else {
+                Err(ApiError::invalid(
+                    None,
+                    format!("could not read the body: {e}"),
+                ))
+            }
+        }
+    }
+}
+
+/// Parses `bytes` as `T`, naming the offending field's dotted path.
+pub fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let result: Result<T, _> = serde_path_to_error::deserialize(&mut de);
+    let value = match result {
+        Ok(v) => v,
+        Err(e) => {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            return Err(json_error(path, &inner));
+        }
+    };
+    if let Err(e) = de.end() {
+        return Err(ApiError::invalid(
+            None,
+            format!("the body is not one JSON value: {}", strip_position(&e)),
+        ));
+    }
+    Ok(value)
+}
+
+fn json_error(path: String, e: &serde_json::Error) -> ApiError {
+    use serde_json::error::Category;
+    match e.classify() {
+        Category::Syntax | Category::Eof | Category::Io => ApiError::invalid(
+            None,
+            format!("the body is not valid JSON: {}", strip_position(e)),
+        ),
+        Category::Data => {
+            let msg = strip_position(e);
+            // serde names the unknown or missing field in its message; the
+            // path points at the object that holds it.
+            let field = if let Some(name) = quoted_after(&msg, "unknown field `") {
+                join(&path, &name)
+            } else if let Some(name) = quoted_after(&msg, "missing field `") {
+                join(&path, &name)
+            } else if path == "." {
+                String::new()
+            } else {
+                path
+            };
+            ApiError::invalid((!field.is_empty()).then_some(field), msg)
+        }
+    }
+}
+
+fn join(path: &str, name: &str) -> String {
+    if path.is_empty() || path == "." {
+        name.to_string()
+    } else {
+        format!("{path}.{name}")
+    }
+}
+
+fn quoted_after(msg: &str, prefix: &str) -> Option<String> {
+    let rest = &msg[msg.find(prefix)? + prefix.len()..];
+    Some(rest[..rest.find('`')?].to_string())
+}
+
+/// serde_json appends " at line 1 column 17": useful, but the field path
+/// says more and the position is noise in a one-line body.
+fn strip_position(e: &serde_json::Error) -> String {
+    let s = e.to_string();
+    match s.rfind(" at line ") {
+        Some(i) => s[..i].to_string(),
+        None => s,
+    }
+}
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, _: &S) -> Result<Self, Self::Rejection> {
+        if !is_json(&req) {
+            return Err(ApiError::unsupported_media_type());
+        }
+        let bytes = read(req).await?;
+        parse(&bytes).map(JsonBody)
+    }
+}
+
+impl<S: Send + Sync, T: DeserializeOwned + Default> FromRequest<S> for OptionalJsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, _: &S) -> Result<Self, Self::Rejection> {
+        let declared_json = is_json(&req);
+        let bytes = read(req).await?;
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Ok(OptionalJsonBody(T::default()));
+        }
+        if !declared_json {
+            return Err(ApiError::unsupported_media_type());
+        }
+        parse(&bytes).map(OptionalJsonBody)
+    }
+}

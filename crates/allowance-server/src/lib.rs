@@ -1,0 +1,237 @@
+//! # allowance-server — the HTTP service around a ledger store
+//!
+//! [`app`] builds the axum [`Router`] of HTTP-API.md (data plane, admin
+//! plane, health, metrics, OpenAPI) over any [`Store`]; it can be tested
+//! without a socket. [`serve`] runs it on a listener with the background
+//! expiry sweeper and graceful shutdown.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use allowance_server::{app, AppState, Credentials, Options, SystemClock, RandomIds};
+//! use allowance_core::EmbeddedStore;
+//!
+//! let config = allowance_config::starter();
+//! let store = EmbeddedStore::new(config.catalog.clone(), 16, Arc::new(SystemClock::default()), Arc::new(RandomIds));
+//! let state = AppState::new(Arc::new(store), Credentials::default(), Options::default());
+//! let router: axum::Router = app(state);
+//! ```
+
+#![forbid(unsafe_code)]
+
+mod admin;
+pub mod auth;
+mod clock;
+pub mod error;
+pub mod extract;
+pub mod headers;
+pub mod metrics;
+mod openapi;
+mod routes;
+pub mod wire;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use allowance_core::{Clock, Store};
+use axum::Router;
+use axum::extract::Request;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use metrics_exporter_prometheus::PrometheusHandle;
+use tokio::net::TcpListener;
+
+pub use auth::{Credential, Credentials, Principal, new_token, token_sha256_hex};
+pub use clock::{RandomIds, SystemClock};
+pub use error::ApiError;
+pub use openapi::openapi_json;
+
+/// Server knobs that are not the ledger's.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Bound on every store call (`[store] timeout_ms`); past it, 503.
+    pub store_timeout: Duration,
+    /// Bound on a whole request; past it, 503 (the outcome is unknown).
+    pub request_timeout: Duration,
+    /// `[queue] max_wait_ms`: the largest `wait_ms` a reserve may ask.
+    pub max_wait_ms: u64,
+    /// How often the background sweeper expires abandoned holds.
+    pub sweep_interval: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            store_timeout: Duration::from_millis(1_000),
+            request_timeout: Duration::from_secs(30),
+            max_wait_ms: 60_000,
+            sweep_interval: Duration::from_millis(250),
+        }
+    }
+}
+
+/// What every handler shares.
+#[derive(Clone)]
+pub struct AppState {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    store: Arc<dyn Store>,
+    credentials: Credentials,
+    options: Options,
+    metrics: PrometheusHandle,
+    clock: Arc<dyn Clock>,
+    /// Admin changes that register custom dimensions before a plan are two
+    /// catalog changes: they must not interleave.
+    admin: tokio::sync::Mutex<()>,
+}
+
+impl AppState {
+    /// State over `store`, with the wall clock for denial headers.
+    pub fn new(store: Arc<dyn Store>, credentials: Credentials, options: Options) -> Self {
+        Self::with_clock(
+            store,
+            credentials,
+            options,
+            Arc::new(SystemClock::default()),
+        )
+    }
+
+    /// State with an explicit clock (the store's, in tests with a manual clock).
+    pub fn with_clock(
+        store: Arc<dyn Store>,
+        credentials: Credentials,
+        options: Options,
+        clock: Arc<dyn Clock>,
+    ) -> Self {
+        AppState {
+            inner: Arc::new(Inner {
+                store,
+                credentials,
+                options,
+                metrics: metrics::install(),
+                clock,
+                admin: tokio::sync::Mutex::new(()),
+            }),
+        }
+    }
+
+    pub(crate) fn store(&self) -> &dyn Store {
+        &*self.inner.store
+    }
+
+    pub(crate) fn credentials(&self) -> &Credentials {
+        &self.inner.credentials
+    }
+
+    pub(crate) fn options(&self) -> &Options {
+        &self.inner.options
+    }
+
+    pub(crate) fn now(&self) -> allowance_core::Timestamp {
+        self.inner.clock.now()
+    }
+
+    pub(crate) fn admin_lock(&self) -> &tokio::sync::Mutex<()> {
+        &self.inner.admin
+    }
+
+    pub(crate) fn metrics(&self) -> &PrometheusHandle {
+        &self.inner.metrics
+    }
+
+    /// Runs a store call under the store timeout: past it, 503.
+    pub(crate) async fn call<T>(&self, f: impl Future<Output = T>) -> Result<T, ApiError> {
+        tokio::time::timeout(self.inner.options.store_timeout, f)
+            .await
+            .map_err(|_| ApiError::unavailable("the store did not answer in time"))
+    }
+}
+
+/// The whole HTTP API over `state`.
+pub fn app(state: AppState) -> Router {
+    let timeout = state.options().request_timeout;
+    routes::router()
+        .merge(admin::router())
+        .merge(openapi::router())
+        .fallback(|| async { ApiError::no_route() })
+        .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
+        .layer(axum::middleware::from_fn(
+            move |req: Request, next: Next| async move {
+                match tokio::time::timeout(timeout, next.run(req)).await {
+                    Ok(r) => r,
+                    Err(_) => ApiError::unavailable(
+                        "the request took too long; its outcome is unknown: retry it",
+                    )
+                    .into_response(),
+                }
+            },
+        ))
+        .with_state(state)
+}
+
+/// Expires abandoned holds every `interval` (expiry is also observed
+/// lazily by every operation; this keeps idle scopes' holds from lingering
+/// and the metrics true).
+pub fn spawn_sweeper(state: &AppState) -> tokio::task::JoinHandle<()> {
+    let state = state.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(state.options().sweep_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            match state.call(state.store().expire_due()).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "expiry sweep failed"),
+                Err(_) => tracing::warn!("expiry sweep: the store did not answer in time"),
+            }
+        }
+    })
+}
+
+/// Serves `state` on `listener` until `shutdown` resolves, then finishes
+/// the requests in flight and returns.
+pub async fn serve(
+    listener: TcpListener,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let sweeper = spawn_sweeper(&state);
+    let result = axum::serve(listener, app(state))
+        .with_graceful_shutdown(shutdown)
+        .await;
+    sweeper.abort();
+    result
+}
+
+/// Resolves on SIGTERM or SIGINT (Ctrl-C).
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    tracing::info!("shutting down: finishing requests in flight");
+}
+
+/// Convenience for handlers: `Response` from a `Result`.
+pub(crate) fn respond<T: IntoResponse>(r: Result<T, ApiError>) -> Response {
+    match r {
+        Ok(v) => v.into_response(),
+        Err(e) => e.into_response(),
+    }
+}

@@ -1,0 +1,94 @@
+//! Prometheus metrics (HTTP-API.md "Operations"). Labels are bounded: an
+//! operation name, an outcome, a scope *kind* (from the configuration),
+//! a dimension (configured ones only) and a denial type — never a scope id,
+//! a tenant or a reservation.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use allowance_core::{Denial, StoreStats};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+/// Operations by outcome: `op` (reserve, settle, refund, extend, get,
+/// status, admin), `outcome` (ok, replayed, dry_run, denied, invalid,
+/// not_found, conflict, unavailable, …).
+pub const OPERATIONS: &str = "allowance_operations_total";
+/// Denials by `scope_kind`, `dimension` and `type`.
+pub const DENIALS: &str = "allowance_denials_total";
+/// Latency of each operation, as seen by the handler (`op`).
+pub const DURATION: &str = "allowance_operation_duration_seconds";
+/// Reservations HELD now.
+pub const HELD: &str = "allowance_held_reservations";
+/// Reservations expired since start.
+pub const EXPIRED: &str = "allowance_expired_reservations_total";
+/// Store calls that did not answer (`op`).
+pub const STORE_ERRORS: &str = "allowance_store_errors_total";
+/// Reserves answered from an idempotency key.
+pub const REPLAYS: &str = "allowance_idempotent_replays_total";
+
+/// Installs the process-wide recorder once and returns its handle (a
+/// second call returns the first handle).
+pub fn install() -> PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let buckets = [
+                0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005,
+                0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+            ];
+            let builder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Full(DURATION.to_string()), &buckets)
+                .unwrap_or_else(|_| PrometheusBuilder::new());
+            let recorder = builder.build_recorder();
+            let handle = recorder.handle();
+            // Another recorder already installed (an embedding program's):
+            // ours still renders what is recorded through it directly.
+            let _ = metrics::set_global_recorder(recorder);
+            describe();
+            handle
+        })
+        .clone()
+}
+
+fn describe() {
+    metrics::describe_counter!(OPERATIONS, "Ledger operations by outcome.");
+    metrics::describe_counter!(DENIALS, "Denials by scope kind, dimension and type.");
+    metrics::describe_histogram!(
+        DURATION,
+        metrics::Unit::Seconds,
+        "Handler latency of ledger operations."
+    );
+    metrics::describe_gauge!(HELD, "Reservations held now.");
+    metrics::describe_counter!(EXPIRED, "Reservations expired since the server started.");
+    metrics::describe_counter!(STORE_ERRORS, "Store calls that did not answer.");
+    metrics::describe_counter!(REPLAYS, "Reserves answered from an idempotency key.");
+}
+
+/// Counts one operation's outcome and latency.
+pub fn operation(op: &'static str, outcome: &'static str, elapsed: Duration) {
+    metrics::counter!(OPERATIONS, "op" => op, "outcome" => outcome).increment(1);
+    metrics::histogram!(DURATION, "op" => op).record(elapsed.as_secs_f64());
+    if outcome == "unavailable" {
+        metrics::counter!(STORE_ERRORS, "op" => op).increment(1);
+    }
+    if outcome == "replayed" {
+        metrics::counter!(REPLAYS).increment(1);
+    }
+}
+
+/// Counts a denial by scope kind, dimension and type.
+pub fn denial(d: &Denial) {
+    metrics::counter!(
+        DENIALS,
+        "scope_kind" => d.scope.kind().to_string(),
+        "dimension" => d.dimension.clone(),
+        "type" => d.kind.as_str()
+    )
+    .increment(1);
+}
+
+/// Publishes the store's counters (read at scrape time).
+pub fn store_stats(s: StoreStats) {
+    metrics::gauge!(HELD).set(s.held_reservations as f64);
+    metrics::counter!(EXPIRED).absolute(s.expired_total);
+}

@@ -1,0 +1,482 @@
+//! The data plane: reserve, get, settle, refund, extend, scope status; and
+//! the operations routes.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use allowance_core::{
+    Catalog, Charge, Reservation, ReservationId, ReserveError, ReserveRequest, ScopeKey,
+    StoreError, Usage,
+};
+use axum::Router;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+
+use crate::auth::Principal;
+use crate::error::{ApiError, ErrorBody, IntoApiError};
+use crate::extract::{JsonBody, OptionalJsonBody};
+use crate::wire::{
+    ExtendBody, RefundBody, ReservationView, ReserveBody, ScopeStatusView, SettleBody, amounts_of,
+};
+use crate::{AppState, metrics};
+
+pub(crate) fn router() -> Router<AppState> {
+    Router::new()
+        .route("/v1/reservations", post(reserve))
+        .route("/v1/reservations/{id}", get(get_reservation))
+        .route("/v1/reservations/{id}/settle", post(settle))
+        .route("/v1/reservations/{id}/refund", post(refund))
+        .route("/v1/reservations/{id}/extend", post(extend))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics_text))
+}
+
+/// Outcome label of an error answer.
+pub(crate) fn outcome_of(e: &ApiError) -> &'static str {
+    match e.status().as_u16() {
+        400 | 413 | 415 => "invalid",
+        401 | 403 => "refused",
+        404 => "not_found",
+        409 => "conflict",
+        429 | 402 | 422 => "denied",
+        503 => "unavailable",
+        _ => "error",
+    }
+}
+
+/// Times a handler body and counts its outcome.
+pub(crate) async fn measured<F>(op: &'static str, f: F) -> Response
+where
+    F: Future<Output = Result<(&'static str, Response), ApiError>>,
+{
+    let started = Instant::now();
+    let (outcome, response) = match f.await {
+        Ok(r) => r,
+        Err(e) => (outcome_of(&e), e.into_response()),
+    };
+    metrics::operation(op, outcome, started.elapsed());
+    response
+}
+
+/// `rsv_…` → id; anything else answers 404, as an unknown id does.
+fn parse_id(id: &str) -> Result<ReservationId, ApiError> {
+    ReservationId::parse(id).ok_or_else(|| ApiError::not_found("reservation not found"))
+}
+
+/// A reservation the caller may see, or 404 (another tenant's answers
+/// exactly as a missing one).
+async fn visible(
+    state: &AppState,
+    who: &Principal,
+    id: ReservationId,
+) -> Result<Option<Reservation>, ApiError> {
+    let r = state.call(state.store().get(id)).await??;
+    Ok(r.filter(|r| who.may_use(r.scopes.tenant_name())))
+}
+
+/// For a tenant token: 404 unless the reservation is its own. An admin
+/// goes straight to the operation (one store call, not two).
+async fn check_owner(state: &AppState, who: &Principal, id: ReservationId) -> Result<(), ApiError> {
+    if matches!(who, Principal::Admin) {
+        return Ok(());
+    }
+    match visible(state, who, id).await? {
+        Some(_) => Ok(()),
+        None => Err(ApiError::not_found("reservation not found")),
+    }
+}
+
+fn catalog_error(e: allowance_core::Unavailable) -> ApiError {
+    e.into()
+}
+
+/// Builds the engine's request from the body. Every check that names a
+/// field happens here or in the engine, before anything changes.
+fn reserve_request(
+    body: ReserveBody,
+    catalog: &Catalog,
+    max_wait_ms: u64,
+) -> Result<ReserveRequest, ApiError> {
+    if let Some(w) = body.wait_ms
+        && w.0 > 0
+    {
+        if w.0 > max_wait_ms {
+            return Err(ApiError::invalid(
+                Some("wait_ms".into()),
+                format!("at most {max_wait_ms} ms (queue.max_wait_ms)"),
+            ));
+        }
+        // The admission queue is a later part of the server: refuse plainly
+        // rather than answer at once as if the caller had not asked to wait.
+        return Err(ApiError::invalid(
+            Some("wait_ms".into()),
+            "waiting in the admission queue is not available in this version: send 0 or omit it",
+        ));
+    }
+    let pairs: Vec<(&str, &str)> = body
+        .scopes
+        .0
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let scopes = catalog.scope_set(&body.tenant, &pairs)?;
+    let amounts = amounts_of(&body.amounts, catalog, "amounts")?;
+    let mut req = ReserveRequest::new(scopes, amounts);
+    req.model = body.model.map(Arc::from);
+    req.ttl_ms = body.ttl_ms.map(|t| t.0);
+    req.idempotency_key = body.idempotency_key.map(Arc::from);
+    req.dry_run = body.dry_run;
+    req.labels = body.labels.map(|l| Arc::from(l.0));
+    req.report_remaining = true;
+    Ok(req)
+}
+
+/// Reserve: hold an estimate on every scope at once.
+#[utoipa::path(post, path = "/v1/reservations", request_body = ReserveBody,
+    responses(
+        (status = 201, description = "Held", body = ReservationView),
+        (status = 200, description = "An idempotent replay (`replayed: true`) or a dry run (`status: dry_run`)", body = ReservationView),
+        (status = 400, description = "Invalid request", body = ErrorBody),
+        (status = 402, description = "A total budget is exhausted", body = ErrorBody),
+        (status = 409, description = "Idempotency key reused for another request", body = ErrorBody),
+        (status = 422, description = "More than a limit's whole capacity", body = ErrorBody),
+        (status = 429, description = "Rate limited: retry after", body = ErrorBody),
+        (status = 503, description = "Store unavailable: outcome unknown", body = ErrorBody)),
+    security(("bearer" = [])))]
+pub(crate) async fn reserve(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<JsonBody<ReserveBody>, ApiError>,
+) -> Response {
+    measured("reserve", async {
+        let who = state.credentials().authenticate(&headers)?;
+        let JsonBody(body) = body?;
+        if !who.may_use(&body.tenant) {
+            return Err(ApiError::forbidden(format!(
+                "this token may not reserve for tenant {:?}",
+                body.tenant
+            )));
+        }
+        let catalog = state
+            .call(state.store().catalog())
+            .await?
+            .map_err(catalog_error)?;
+        let req = reserve_request(body, &catalog, state.options().max_wait_ms)?;
+        let granted = match state.call(state.store().reserve(&req)).await? {
+            Ok(g) => g,
+            Err(e) => {
+                if let StoreError::Rejected(ReserveError::Denied(d)) = &e {
+                    metrics::denial(d);
+                }
+                return Err(e.into_api(state.now(), &catalog));
+            }
+        };
+        if granted.replayed {
+            // The stored reservation is the answer (it may have ended since).
+            let r = state.call(state.store().get(granted.id)).await??;
+            let mut view = match r {
+                Some(r) => ReservationView::of(&r, &catalog),
+                None => ReservationView::granted(&granted, &req, &catalog),
+            };
+            view.replayed = Some(true);
+            view.remaining = None;
+            return Ok((
+                "replayed",
+                (StatusCode::OK, axum::Json(view)).into_response(),
+            ));
+        }
+        let now = state.now();
+        let headers = crate::headers::success_headers(&granted.remaining, now, &catalog);
+        let view = ReservationView::granted(&granted, &req, &catalog);
+        if granted.dry_run {
+            return Ok((
+                "dry_run",
+                (StatusCode::OK, headers, axum::Json(view)).into_response(),
+            ));
+        }
+        Ok((
+            "ok",
+            (StatusCode::CREATED, headers, axum::Json(view)).into_response(),
+        ))
+    })
+    .await
+}
+
+/// A reservation, expiry observed.
+#[utoipa::path(get, path = "/v1/reservations/{id}",
+    params(("id" = String, Path, description = "rsv_ + 32 hex digits")),
+    responses(
+        (status = 200, body = ReservationView),
+        (status = 404, body = ErrorBody),
+        (status = 503, body = ErrorBody)),
+    security(("bearer" = [])))]
+pub(crate) async fn get_reservation(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    measured("get", async {
+        let who = state.credentials().authenticate(&headers)?;
+        let id = parse_id(&id)?;
+        let Some(r) = visible(&state, &who, id).await? else {
+            return Err(ApiError::not_found("reservation not found"));
+        };
+        let catalog = state
+            .call(state.store().catalog())
+            .await?
+            .map_err(catalog_error)?;
+        Ok((
+            "ok",
+            axum::Json(ReservationView::of(&r, &catalog)).into_response(),
+        ))
+    })
+    .await
+}
+
+fn usage_of(body: SettleBody, catalog: &Catalog) -> Result<Usage, ApiError> {
+    let mut usage = Usage::default();
+    let mut rest = crate::wire::Ordered::default();
+    for (name, n) in body.usage.0 {
+        if name == "cached_input_tokens" {
+            usage.cached_input_tokens = n.0;
+        } else {
+            rest.0.push((name, n));
+        }
+    }
+    usage.amounts = amounts_of(&rest, catalog, "usage")?;
+    for (i, c) in body.charges.into_iter().enumerate() {
+        usage.charges.push(Charge {
+            amounts: amounts_of(&c.amounts, catalog, &format!("charges[{i}].amounts"))?,
+            name: c.name,
+            cost_micros: c.cost_micros.0,
+        });
+    }
+    Ok(usage)
+}
+
+/// Settle: record the actual and release the hold; idempotent.
+#[utoipa::path(post, path = "/v1/reservations/{id}/settle", request_body = SettleBody,
+    params(("id" = String, Path, description = "rsv_ + 32 hex digits")),
+    responses(
+        (status = 200, description = "Settled (a repeat answers the same)", body = ReservationView),
+        (status = 400, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+        (status = 409, description = "The reservation was refunded", body = ErrorBody),
+        (status = 503, body = ErrorBody)),
+    security(("bearer" = [])))]
+pub(crate) async fn settle(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Result<JsonBody<SettleBody>, ApiError>,
+) -> Response {
+    measured("settle", async {
+        let who = state.credentials().authenticate(&headers)?;
+        let JsonBody(body) = body?;
+        let id = parse_id(&id)?;
+        let catalog = state
+            .call(state.store().catalog())
+            .await?
+            .map_err(catalog_error)?;
+        let usage = usage_of(body, &catalog)?;
+        check_owner(&state, &who, id).await?;
+        let r = state
+            .call(state.store().settle(id, &usage))
+            .await?
+            .map_err(|e| e.into_api(state.now(), &catalog))?;
+        Ok((
+            "ok",
+            axum::Json(ReservationView::of(&r, &catalog)).into_response(),
+        ))
+    })
+    .await
+}
+
+/// Refund: release the hold, record nothing; idempotent.
+#[utoipa::path(post, path = "/v1/reservations/{id}/refund", request_body(content = Option<RefundBody>, description = "No body, or {}"),
+    params(("id" = String, Path, description = "rsv_ + 32 hex digits")),
+    responses(
+        (status = 200, description = "Refunded (or expired: nothing to release)", body = ReservationView),
+        (status = 404, body = ErrorBody),
+        (status = 409, description = "The reservation was settled", body = ErrorBody),
+        (status = 503, body = ErrorBody)),
+    security(("bearer" = [])))]
+pub(crate) async fn refund(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Result<OptionalJsonBody<RefundBody>, ApiError>,
+) -> Response {
+    measured("refund", async {
+        let who = state.credentials().authenticate(&headers)?;
+        let OptionalJsonBody(RefundBody {}) = body?;
+        let id = parse_id(&id)?;
+        check_owner(&state, &who, id).await?;
+        let catalog = state
+            .call(state.store().catalog())
+            .await?
+            .map_err(catalog_error)?;
+        let r = state
+            .call(state.store().refund(id))
+            .await?
+            .map_err(|e| e.into_api(state.now(), &catalog))?;
+        Ok((
+            "ok",
+            axum::Json(ReservationView::of(&r, &catalog)).into_response(),
+        ))
+    })
+    .await
+}
+
+/// Extend: raise the hold and/or push the expiry out.
+#[utoipa::path(post, path = "/v1/reservations/{id}/extend", request_body = ExtendBody,
+    params(("id" = String, Path, description = "rsv_ + 32 hex digits")),
+    responses(
+        (status = 200, body = ReservationView),
+        (status = 400, body = ErrorBody),
+        (status = 402, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+        (status = 409, description = "No longer held", body = ErrorBody),
+        (status = 422, body = ErrorBody),
+        (status = 429, body = ErrorBody),
+        (status = 503, body = ErrorBody)),
+    security(("bearer" = [])))]
+pub(crate) async fn extend(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Result<JsonBody<ExtendBody>, ApiError>,
+) -> Response {
+    measured("extend", async {
+        let who = state.credentials().authenticate(&headers)?;
+        let JsonBody(body) = body?;
+        if body.amounts.is_none() && body.ttl_ms.is_none() {
+            return Err(ApiError::invalid(
+                Some("amounts".into()),
+                "give amounts, ttl_ms or both",
+            ));
+        }
+        let id = parse_id(&id)?;
+        let catalog = state
+            .call(state.store().catalog())
+            .await?
+            .map_err(catalog_error)?;
+        let amounts = match &body.amounts {
+            Some(a) => Some(amounts_of(a, &catalog, "amounts")?),
+            None => None,
+        };
+        check_owner(&state, &who, id).await?;
+        let result = state
+            .call(
+                state
+                    .store()
+                    .extend(id, amounts.as_ref(), body.ttl_ms.map(|t| t.0)),
+            )
+            .await?;
+        let r = match result {
+            Ok(r) => r,
+            Err(e) => {
+                if let StoreError::Rejected(allowance_core::ExtendError::Denied(d)) = &e {
+                    metrics::denial(d);
+                }
+                return Err(e.into_api(state.now(), &catalog));
+            }
+        };
+        Ok((
+            "ok",
+            axum::Json(ReservationView::of(&r, &catalog)).into_response(),
+        ))
+    })
+    .await
+}
+
+/// Parses a scope from a path (raw or percent-encoded: axum decodes it),
+/// checks its kind is configured, and hides other tenants' scopes from a
+/// tenant token (404). A tenant token may read shared scopes.
+pub(crate) fn scope_for(
+    catalog: &Catalog,
+    who: &Principal,
+    raw: &str,
+    for_write: bool,
+) -> Result<ScopeKey, ApiError> {
+    let key = ScopeKey::parse(raw).map_err(|mut i| {
+        i.field = "scope".into();
+        ApiError::from(i)
+    })?;
+    catalog.check_scope(&key).map_err(|mut i| {
+        i.field = "scope".into();
+        ApiError::from(i)
+    })?;
+    let visible = match (who, key.tenant_name()) {
+        (Principal::Admin, _) => true,
+        (Principal::Tenant(t), Some(owner)) => t == owner,
+        (Principal::Tenant(_), None) => !for_write,
+    };
+    if !visible {
+        return Err(ApiError::not_found("scope not found"));
+    }
+    Ok(key)
+}
+
+/// A scope's limits with use, holds and room.
+#[utoipa::path(get, path = "/v1/scopes/{scope}",
+    params(("scope" = String, Path, description = "Canonical scope name, e.g. tenant:acme/user:bob (raw or percent-encoded)")),
+    responses(
+        (status = 200, body = ScopeStatusView),
+        (status = 400, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+        (status = 503, body = ErrorBody)),
+    security(("bearer" = [])))]
+pub(crate) async fn scope_status(state: AppState, headers: HeaderMap, raw: String) -> Response {
+    measured("status", async {
+        let who = state.credentials().authenticate(&headers)?;
+        let catalog = state
+            .call(state.store().catalog())
+            .await?
+            .map_err(catalog_error)?;
+        let key = scope_for(&catalog, &who, &raw, false)?;
+        let s = state.call(state.store().status(&key)).await??;
+        Ok(("ok", axum::Json(ScopeStatusView::of(&s)).into_response()))
+    })
+    .await
+}
+
+/// The process is up.
+#[utoipa::path(get, path = "/healthz", responses((status = 200, description = "ok")))]
+pub(crate) async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+/// The store answers.
+#[utoipa::path(get, path = "/readyz", responses((status = 200, description = "ready"), (status = 503, body = ErrorBody)))]
+pub(crate) async fn readyz(State(state): State<AppState>) -> Response {
+    crate::respond(
+        async {
+            state
+                .call(state.store().catalog())
+                .await?
+                .map_err(catalog_error)?;
+            Ok::<_, ApiError>("ready\n")
+        }
+        .await,
+    )
+}
+
+/// Prometheus text format.
+#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text exposition", content_type = "text/plain")))]
+pub(crate) async fn metrics_text(State(state): State<AppState>) -> Response {
+    if let Ok(Ok(s)) = state.call(state.store().stats()).await {
+        metrics::store_stats(s);
+    }
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        state.metrics().render(),
+    )
+        .into_response()
+}

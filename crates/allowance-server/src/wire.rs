@@ -1,0 +1,543 @@
+//! The JSON bodies of HTTP-API.md, as the handlers read and write them. The
+//! OpenAPI document is generated from these same types.
+//!
+//! Requests reject unknown fields. Maps (`scopes`, `amounts`, `labels`)
+//! keep the order they were sent in (the reservation's scopes are reported
+//! in the request's order) and reject a key given twice.
+
+use std::fmt;
+use std::marker::PhantomData;
+
+use allowance_core::{
+    Amounts, Catalog, Dimension, Granted, Invalid, MAX_AMOUNT, Remaining, Reservation, ScopeStatus,
+    Timestamp, Window, WindowKind,
+};
+use serde::de::{self, Deserializer, MapAccess, Visitor};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+/// RFC 3339 UTC with milliseconds: `2026-11-29T16:05:00.000Z`.
+pub fn rfc3339(t: Timestamp) -> String {
+    let ms = i64::try_from(t.as_millis()).unwrap_or(i64::MAX);
+    match jiff::Timestamp::from_millisecond(ms) {
+        Ok(ts) => ts.strftime("%Y-%m-%dT%H:%M:%S%.3fZ").to_string(),
+        // Beyond year 9999: not an instant this ledger can produce.
+        Err(_) => "9999-12-31T23:59:59.999Z".to_string(),
+    }
+}
+
+/// The wire name of a window kind.
+pub fn window_name(w: WindowKind) -> &'static str {
+    w.as_str()
+}
+
+/// A JSON object read in order, each key once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ordered<V>(pub Vec<(String, V)>);
+
+impl<V> Default for Ordered<V> {
+    fn default() -> Self {
+        Ordered(Vec::new())
+    }
+}
+
+impl<'de, V: Deserialize<'de>> Deserialize<'de> for Ordered<V> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V2<V>(PhantomData<V>);
+        impl<'de, V: Deserialize<'de>> Visitor<'de> for V2<V> {
+            type Value = Ordered<V>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut out: Vec<(String, V)> = Vec::new();
+                while let Some(key) = map.next_key::<String>()? {
+                    if out.iter().any(|(k, _)| *k == key) {
+                        return Err(de::Error::custom(format!("key {key:?} given twice")));
+                    }
+                    let value = map.next_value::<V>()?;
+                    out.push((key, value));
+                }
+                Ok(Ordered(out))
+            }
+        }
+        d.deserialize_map(V2(PhantomData))
+    }
+}
+
+/// An amount: a whole number from 0 to 2^53 (JSON numbers above that lose
+/// precision in many clients).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Amount(pub u64);
+
+impl<'de> Deserialize<'de> for Amount {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct A;
+        impl Visitor<'_> for A {
+            type Value = Amount;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                write!(f, "a whole number from 0 to {MAX_AMOUNT}")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Amount, E> {
+                if v > MAX_AMOUNT {
+                    return Err(E::custom(format!(
+                        "{v} is above the largest amount, {MAX_AMOUNT}"
+                    )));
+                }
+                Ok(Amount(v))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Amount, E> {
+                match u64::try_from(v) {
+                    Ok(v) => self.visit_u64(v),
+                    Err(_) => Err(E::custom(format!("{v} is negative; amounts are 0 or more"))),
+                }
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<Amount, E> {
+                if v.fract() == 0.0 && v.abs() >= MAX_AMOUNT as f64 {
+                    Err(E::custom(format!(
+                        "{v} is above the largest amount, {MAX_AMOUNT}"
+                    )))
+                } else {
+                    Err(E::custom(format!("{v} is not a whole number")))
+                }
+            }
+        }
+        d.deserialize_any(A)
+    }
+}
+
+/// A signed whole number for admin adjustments (credit > 0, debit < 0).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SignedAmount(pub i64);
+
+impl<'de> Deserialize<'de> for SignedAmount {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct A;
+        impl Visitor<'_> for A {
+            type Value = SignedAmount;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                write!(f, "a whole number from -{MAX_AMOUNT} to {MAX_AMOUNT}")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<SignedAmount, E> {
+                if v > MAX_AMOUNT {
+                    return Err(E::custom(format!("{v} is above {MAX_AMOUNT}")));
+                }
+                Ok(SignedAmount(v as i64))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<SignedAmount, E> {
+                if v.unsigned_abs() > MAX_AMOUNT {
+                    return Err(E::custom(format!("{v} is beyond ±{MAX_AMOUNT}")));
+                }
+                Ok(SignedAmount(v))
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<SignedAmount, E> {
+                Err(E::custom(format!("{v} is not a whole number in range")))
+            }
+        }
+        d.deserialize_any(A)
+    }
+}
+
+/// A duration in ms (`ttl_ms`, `wait_ms`): a whole number ≥ 0.
+pub type Millis = Amount;
+
+/// `POST /v1/reservations`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReserveBody {
+    /// The tenant (always one of the scopes).
+    pub tenant: String,
+    /// Other scopes by kind: `{"user": "bob", "tool": "search"}`.
+    #[serde(default)]
+    #[schema(value_type = std::collections::BTreeMap<String, String>)]
+    pub scopes: Ordered<String>,
+    /// Amounts to hold by dimension.
+    #[schema(value_type = std::collections::BTreeMap<String, u64>)]
+    pub amounts: Ordered<Amount>,
+    /// A model of the model table: prices `cost_micros`.
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Time to live of the hold; the configured default when absent.
+    #[serde(default)]
+    #[schema(value_type = Option<u64>)]
+    pub ttl_ms: Option<Millis>,
+    /// Same key, same request → the same reservation.
+    #[serde(default)]
+    pub idempotency_key: Option<String>,
+    /// Time to wait in the admission queue for room (0: answer at once).
+    #[serde(default)]
+    #[schema(value_type = Option<u64>)]
+    pub wait_ms: Option<Millis>,
+    /// Order among one tenant's waiters (higher first).
+    #[serde(default)]
+    pub priority: Option<i32>,
+    /// Free-form labels for the usage log.
+    #[serde(default)]
+    #[schema(value_type = Option<std::collections::BTreeMap<String, String>>)]
+    pub labels: Option<Ordered<String>>,
+    /// Answer as a reserve would, hold nothing.
+    #[serde(default)]
+    pub dry_run: bool,
+}
+
+/// One non-token charge of a settle.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ChargeBody {
+    /// What it was for (`search`).
+    pub name: String,
+    /// Its cost, added to `cost_micros`.
+    #[schema(value_type = u64)]
+    pub cost_micros: Amount,
+    /// Custom dimensions it counts (`{"search_calls": 1}`).
+    #[serde(default)]
+    #[schema(value_type = std::collections::BTreeMap<String, u64>)]
+    pub amounts: Ordered<Amount>,
+}
+
+/// `POST /v1/reservations/{id}/settle`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SettleBody {
+    /// Actual usage by dimension; `cached_input_tokens` is the part of
+    /// `input_tokens` served from a cache.
+    #[schema(value_type = std::collections::BTreeMap<String, u64>)]
+    pub usage: Ordered<Amount>,
+    /// Non-token costs.
+    #[serde(default)]
+    pub charges: Vec<ChargeBody>,
+}
+
+/// `POST /v1/reservations/{id}/refund` (the body is optional).
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RefundBody {}
+
+/// `POST /v1/reservations/{id}/extend`: at least one field.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExtendBody {
+    /// Amounts to add to the hold.
+    #[serde(default)]
+    #[schema(value_type = Option<std::collections::BTreeMap<String, u64>>)]
+    pub amounts: Option<Ordered<Amount>>,
+    /// A new time to live, from now.
+    #[serde(default)]
+    #[schema(value_type = Option<u64>)]
+    pub ttl_ms: Option<Millis>,
+}
+
+/// `POST /v1/scopes/{scope}/adjust`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AdjustBody {
+    /// The dimension of the scope's `total` limit.
+    pub dimension: String,
+    /// Credit (> 0: room grows) or debit (< 0).
+    #[schema(value_type = i64)]
+    pub amount: SignedAmount,
+    /// Why (kept for the audit trail).
+    pub reason: String,
+}
+
+/// `PUT /v1/scopes/{scope}`: exactly one of the two.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ScopeOverrideBody {
+    /// Move the scope to this plan (a tier change).
+    #[serde(default)]
+    pub plan: Option<String>,
+    /// Give the scope its own limits.
+    #[serde(default)]
+    pub limits: Option<Vec<allowance_config::LimitSpec>>,
+}
+
+/// Amounts by dimension name, in dimension order.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct AmountsView(pub Vec<(String, u64)>);
+
+impl Serialize for AmountsView {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(Some(self.0.len()))?;
+        for (k, v) in &self.0 {
+            m.serialize_entry(k, v)?;
+        }
+        m.end()
+    }
+}
+
+impl AmountsView {
+    /// `amounts` with the implied `requests: 1` and `concurrent: 1` of a
+    /// reservation shown first (when `implied`).
+    pub fn of(amounts: &Amounts, catalog: &Catalog, implied: &[Dimension]) -> Self {
+        let mut out = Vec::with_capacity(implied.len() + 4);
+        for d in implied {
+            out.push((catalog.dimension_name(*d).to_string(), 1));
+        }
+        for (d, n) in amounts.iter() {
+            if !implied.contains(&d) {
+                out.push((catalog.dimension_name(d).to_string(), n));
+            }
+        }
+        AmountsView(out)
+    }
+}
+
+/// One limit's room after a grant.
+#[derive(Debug, Serialize, ToSchema, PartialEq)]
+pub struct RemainingView {
+    /// The scope.
+    pub scope: String,
+    /// The dimension.
+    pub dimension: String,
+    /// The window kind.
+    pub window: &'static str,
+    /// The capacity.
+    pub capacity: u64,
+    /// Room left after this reservation (negative after an overrun).
+    pub remaining: i64,
+    /// When room next appears without new traffic.
+    pub resets_at: Option<String>,
+}
+
+impl RemainingView {
+    /// From the engine's report.
+    pub fn of(r: &Remaining) -> Self {
+        RemainingView {
+            scope: r.scope.as_str().to_string(),
+            dimension: r.dimension.clone(),
+            window: window_name(r.window),
+            capacity: r.capacity,
+            remaining: r.remaining,
+            resets_at: r.resets_at.map(rfc3339),
+        }
+    }
+}
+
+/// A reservation as answered by every reservation route.
+#[derive(Debug, Serialize, ToSchema, PartialEq)]
+pub struct ReservationView {
+    /// `rsv_` + 32 hex digits; absent on a dry run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// `held`, `settled`, `refunded`, `expired` (or `dry_run`).
+    pub status: &'static str,
+    /// The tenant.
+    pub tenant: String,
+    /// Canonical scopes, the tenant first, then in the request's order.
+    pub scopes: Vec<String>,
+    /// The model named at reserve.
+    pub model: Option<String>,
+    /// Labels.
+    #[schema(value_type = std::collections::BTreeMap<String, String>)]
+    pub labels: LabelsView,
+    /// Amounts held (or last held, once ended).
+    #[schema(value_type = std::collections::BTreeMap<String, u64>)]
+    pub held: AmountsView,
+    /// When it was made.
+    pub created_at: String,
+    /// When the hold expires (or expired).
+    pub expires_at: String,
+    /// When it ended.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ended_at: Option<String>,
+    /// What a settle recorded after the overrun policy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<std::collections::BTreeMap<String, u64>>)]
+    pub charged: Option<AmountsView>,
+    /// Whether it was settled after it expired (present once ended).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub late: Option<bool>,
+    /// On an idempotent repeat of a reserve.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replayed: Option<bool>,
+    /// Every limit's room after a reserve (reserve answers only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remaining: Option<Vec<RemainingView>>,
+}
+
+/// Labels as a JSON object, in the order sent.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct LabelsView(pub Vec<(String, String)>);
+
+impl Serialize for LabelsView {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(Some(self.0.len()))?;
+        for (k, v) in &self.0 {
+            m.serialize_entry(k, v)?;
+        }
+        m.end()
+    }
+}
+
+const IMPLIED: [Dimension; 2] = [Dimension::REQUESTS, Dimension::CONCURRENT];
+
+impl ReservationView {
+    /// A reservation as read back.
+    pub fn of(r: &Reservation, catalog: &Catalog) -> Self {
+        let ended = r.ended_at.is_some();
+        ReservationView {
+            id: Some(r.id.to_string()),
+            status: r.status.as_str(),
+            tenant: r.scopes.tenant_name().to_string(),
+            scopes: r
+                .scopes
+                .as_slice()
+                .iter()
+                .map(|k| k.as_str().to_string())
+                .collect(),
+            model: r.model.as_deref().map(str::to_string),
+            labels: LabelsView(r.labels.as_deref().map(<[_]>::to_vec).unwrap_or_default()),
+            held: AmountsView::of(&r.held, catalog, &IMPLIED),
+            created_at: rfc3339(r.created_at),
+            expires_at: rfc3339(r.expires_at),
+            ended_at: r.ended_at.map(rfc3339),
+            charged: r
+                .charged
+                .as_ref()
+                .map(|c| AmountsView::of(c, catalog, &[Dimension::REQUESTS])),
+            late: ended.then_some(r.late),
+            replayed: None,
+            remaining: None,
+        }
+    }
+
+    /// A fresh grant or a dry run of `req` (a replay is answered from the
+    /// stored reservation instead).
+    pub fn granted(g: &Granted, req: &allowance_core::ReserveRequest, catalog: &Catalog) -> Self {
+        ReservationView {
+            id: (!g.dry_run).then(|| g.id.to_string()),
+            status: if g.dry_run {
+                "dry_run"
+            } else {
+                g.status.as_str()
+            },
+            tenant: req.scopes.tenant_name().to_string(),
+            scopes: req
+                .scopes
+                .as_slice()
+                .iter()
+                .map(|k| k.as_str().to_string())
+                .collect(),
+            model: req.model.as_deref().map(str::to_string),
+            labels: LabelsView(req.labels.as_deref().map(<[_]>::to_vec).unwrap_or_default()),
+            held: AmountsView::of(&g.held, catalog, &IMPLIED),
+            created_at: rfc3339(g.created_at),
+            expires_at: rfc3339(g.expires_at),
+            ended_at: None,
+            charged: None,
+            late: None,
+            replayed: None,
+            remaining: Some(g.remaining.iter().map(RemainingView::of).collect()),
+        }
+    }
+}
+
+/// One limit of a scope's status.
+#[derive(Debug, Serialize, ToSchema, PartialEq)]
+pub struct LimitStatusView {
+    /// The dimension.
+    pub dimension: String,
+    /// The window kind.
+    pub window: &'static str,
+    /// Sliding and bucket windows: their length.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub period_ms: Option<u64>,
+    /// Sliding windows: the number of slices.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slices: Option<u32>,
+    /// Calendar windows: minute, hour, day, week or month.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unit: Option<&'static str>,
+    /// Calendar windows: the zone.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zone: Option<String>,
+    /// The capacity.
+    pub capacity: u64,
+    /// Usage in the window.
+    pub used: i64,
+    /// Held by live reservations.
+    pub held: u64,
+    /// `capacity − used − held` (negative after an overrun).
+    pub remaining: i64,
+    /// When room next appears without new traffic.
+    pub resets_at: Option<String>,
+}
+
+/// `GET /v1/scopes/{scope}`.
+#[derive(Debug, Serialize, ToSchema, PartialEq)]
+pub struct ScopeStatusView {
+    /// The canonical scope.
+    pub scope: String,
+    /// Its plan (`override` when it has its own limits).
+    pub plan: String,
+    /// HELD reservations on it.
+    pub held_reservations: u64,
+    /// Every limit of its plan.
+    pub limits: Vec<LimitStatusView>,
+}
+
+impl ScopeStatusView {
+    /// From the engine's status.
+    pub fn of(s: &ScopeStatus) -> Self {
+        ScopeStatusView {
+            scope: s.scope.as_str().to_string(),
+            plan: s.plan.clone(),
+            held_reservations: s.held_reservations,
+            limits: s
+                .limits
+                .iter()
+                .map(|l| {
+                    let (period_ms, slices, unit, zone) = match &l.window {
+                        Window::Sliding { period_ms, slices } => {
+                            (Some(*period_ms), Some(*slices), None, None)
+                        }
+                        Window::Bucket { period_ms } => (Some(*period_ms), None, None, None),
+                        Window::Calendar { unit, zone } => (
+                            None,
+                            None,
+                            Some(unit.as_str()),
+                            Some(zone.name().to_string()),
+                        ),
+                        Window::Total | Window::Concurrent => (None, None, None, None),
+                    };
+                    LimitStatusView {
+                        dimension: l.dimension.clone(),
+                        window: window_name(l.window.kind()),
+                        period_ms,
+                        slices,
+                        unit,
+                        zone,
+                        capacity: l.capacity,
+                        used: l.used,
+                        held: l.held,
+                        remaining: l.remaining,
+                        resets_at: l.resets_at.map(rfc3339),
+                    }
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Amounts named by dimension → the engine's `Amounts`. An unknown
+/// dimension is an error naming `{field}.{name}`.
+pub fn amounts_of(
+    list: &Ordered<Amount>,
+    catalog: &Catalog,
+    field: &str,
+) -> Result<Amounts, Invalid> {
+    let mut out = Amounts::new();
+    for (name, Amount(n)) in &list.0 {
+        let Some(d) = catalog.dimension(name) else {
+            return Err(Invalid::new(
+                format!("{field}.{name}"),
+                format!("unknown dimension {name:?}"),
+            ));
+        };
+        out.set(d, *n);
+    }
+    Ok(out)
+}
