@@ -40,7 +40,6 @@ pub struct BenchArgs {
 }
 
 /// Runs the benchmark; exit 1 on a setup error (unreachable server, bad option).
-#[allow(clippy::print_stdout)]
 pub fn run(args: BenchArgs) -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -48,17 +47,17 @@ pub fn run(args: BenchArgs) -> ExitCode {
     {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("error: {e}");
+            crate::err(&format!("error: {e}\n"));
             return ExitCode::FAILURE;
         }
     };
     match runtime.block_on(bench(args)) {
         Ok(text) => {
-            print!("{text}");
+            crate::out(&text);
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("error: {e:#}");
+            crate::err(&format!("error: {e:#}\n"));
             ExitCode::FAILURE
         }
     }
@@ -131,7 +130,7 @@ pub fn noop(listen: SocketAddr) -> ExitCode {
     {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("error: {e}");
+            crate::err(&format!("error: {e}\n"));
             return ExitCode::FAILURE;
         }
     };
@@ -149,7 +148,7 @@ pub fn noop(listen: SocketAddr) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            crate::err(&format!("error: {e:#}\n"));
             ExitCode::FAILURE
         }
     }

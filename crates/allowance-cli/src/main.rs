@@ -78,27 +78,37 @@ fn init_logs(format: LogFormat) {
     }
 }
 
-#[allow(clippy::print_stdout)]
+/// Writes to stdout; a closed pipe (`allowance status … | head`) is not an
+/// error worth a panic.
+pub(crate) fn out(text: &str) {
+    use std::io::Write;
+    let mut o = std::io::stdout().lock();
+    let _ = o.write_all(text.as_bytes()).and_then(|()| o.flush());
+}
+
+/// Writes to stderr, ignoring a closed stream.
+pub(crate) fn err(text: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().lock().write_all(text.as_bytes());
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Init => {
-            print!("{}", allowance_config::STARTER);
+            crate::out(allowance_config::STARTER);
             ExitCode::SUCCESS
         }
         Command::CheckConfig { file } => check_config(&file),
         Command::Token => {
             let token = allowance_server::new_token();
-            println!("token:  {token}");
-            println!("sha256: {}", allowance_server::token_sha256_hex(&token));
-            println!();
-            println!("# in the configuration (keep the token itself secret):");
-            println!("[[tokens]]");
-            println!(
-                "sha256 = \"{}\"",
-                allowance_server::token_sha256_hex(&token)
-            );
-            println!("role = \"admin\"        # or role = \"tenant\" with tenant = \"...\"");
+            let hash = allowance_server::token_sha256_hex(&token);
+            out(&format!(
+                "token:  {token}\nsha256: {hash}\n\n\
+                 # in the configuration (keep the token itself secret):\n\
+                 [[tokens]]\nsha256 = \"{hash}\"\n\
+                 role = \"admin\"        # or role = \"tenant\" with tenant = \"...\"\n"
+            ));
             ExitCode::SUCCESS
         }
         Command::Serve(args) => {
@@ -117,15 +127,14 @@ fn main() -> ExitCode {
     }
 }
 
-#[allow(clippy::print_stdout)]
 fn check_config(file: &std::path::Path) -> ExitCode {
     match allowance_config::load(file) {
         Ok(config) => {
-            print!("{}", allowance_config::plans_table(&config));
+            crate::out(&allowance_config::plans_table(&config));
             ExitCode::SUCCESS
         }
         Err(errors) => {
-            eprint!("{errors}");
+            crate::err(&format!("{errors}"));
             ExitCode::from(2)
         }
     }

@@ -90,7 +90,7 @@ pub fn run(args: ServeArgs) -> ExitCode {
     let config = match configure(&args) {
         Ok(c) => c,
         Err(message) => {
-            eprint!("{message}");
+            crate::err(&message);
             return ExitCode::from(2);
         }
     };
@@ -100,14 +100,14 @@ pub fn run(args: ServeArgs) -> ExitCode {
     {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("error: cannot start the runtime: {e}");
+            crate::err(&format!("error: cannot start the runtime: {e}\n"));
             return ExitCode::FAILURE;
         }
     };
     match runtime.block_on(serve(config)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            crate::err(&format!("error: {e:#}\n"));
             ExitCode::FAILURE
         }
     }

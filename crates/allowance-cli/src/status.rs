@@ -103,7 +103,6 @@ pub fn render(status: &Value) -> String {
 }
 
 /// Fetches and prints; exit 1 when the server cannot be reached or refuses.
-#[allow(clippy::print_stdout)]
 pub fn run(args: StatusArgs) -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -111,21 +110,22 @@ pub fn run(args: StatusArgs) -> ExitCode {
     {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("error: {e}");
+            crate::err(&format!("error: {e}\n"));
             return ExitCode::FAILURE;
         }
     };
     match runtime.block_on(fetch(&args)) {
         Ok(v) => {
             if args.json {
-                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+                let pretty = serde_json::to_string_pretty(&v).unwrap_or_default();
+                crate::out(&format!("{pretty}\n"));
             } else {
-                print!("{}", render(&v));
+                crate::out(&render(&v));
             }
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("error: {e:#}");
+            crate::err(&format!("error: {e:#}\n"));
             ExitCode::FAILURE
         }
     }

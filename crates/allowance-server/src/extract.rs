@@ -76,6 +76,11 @@ pub fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
 fn json_error(path: String, e: &serde_json::Error) -> ApiError {
     use serde_json::error::Category;
     match e.classify() {
+        // A number beyond f64 (`1e400`) is valid JSON that serde_json
+        // refuses as a syntax error: it is a bad value, so name its field.
+        Category::Syntax if path != "." && !path.is_empty() && is_out_of_range(e) => {
+            ApiError::invalid(Some(path), strip_position(e))
+        }
         Category::Syntax | Category::Eof | Category::Io => ApiError::invalid(
             None,
             format!("the body is not valid JSON: {}", strip_position(e)),
@@ -85,8 +90,16 @@ fn json_error(path: String, e: &serde_json::Error) -> ApiError {
             // serde names the unknown or missing field in its message; the
             // path points at the object that holds it.
             let field = if let Some(name) = quoted_after(&msg, "unknown field `") {
-                join(&path, &name)
-            } else if let Some(name) = quoted_after(&msg, "missing field `") {
+                // The path already ends at the unknown key (it was read as
+                // one); a missing field is only in the message.
+                if path == name || path.ends_with(&format!(".{name}")) {
+                    path
+                } else {
+                    join(&path, &name)
+                }
+            } else if let Some(name) = quoted_after(&msg, "missing field `")
+                .or_else(|| quoted_after(&msg, "duplicate field `"))
+            {
                 join(&path, &name)
             } else if path == "." {
                 String::new()
@@ -95,6 +108,25 @@ fn json_error(path: String, e: &serde_json::Error) -> ApiError {
             };
             ApiError::invalid((!field.is_empty()).then_some(field), msg)
         }
+    }
+}
+
+fn is_out_of_range(e: &serde_json::Error) -> bool {
+    e.to_string().starts_with("number out of range")
+}
+
+/// Every body of the native API is a JSON object. serde's derived structs
+/// also accept an array of the fields in order, so `[]` would pass as an
+/// empty refund body: refuse anything but an object before parsing.
+fn require_object(bytes: &[u8]) -> Result<(), ApiError> {
+    match bytes.iter().find(|b| !b.is_ascii_whitespace()) {
+        Some(b'{') | None => Ok(()),
+        Some(b'[') => Err(ApiError::invalid(
+            None,
+            "the body must be a JSON object, not an array",
+        )),
+        // Anything else: let the parser say what is wrong with it.
+        Some(_) => Ok(()),
     }
 }
 
@@ -129,6 +161,7 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
             return Err(ApiError::unsupported_media_type());
         }
         let bytes = read(req).await?;
+        require_object(&bytes)?;
         parse(&bytes).map(JsonBody)
     }
 }
@@ -145,6 +178,7 @@ impl<S: Send + Sync, T: DeserializeOwned + Default> FromRequest<S> for OptionalJ
         if !declared_json {
             return Err(ApiError::unsupported_media_type());
         }
+        require_object(&bytes)?;
         parse(&bytes).map(OptionalJsonBody)
     }
 }

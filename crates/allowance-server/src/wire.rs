@@ -53,7 +53,8 @@ impl<'de, V: Deserialize<'de>> Deserialize<'de> for Ordered<V> {
                 let mut out: Vec<(String, V)> = Vec::new();
                 while let Some(key) = map.next_key::<String>()? {
                     if out.iter().any(|(k, _)| *k == key) {
-                        return Err(de::Error::custom(format!("key {key:?} given twice")));
+                        // serde's own wording, so the error names `{path}.{key}`.
+                        return Err(de::Error::custom(format!("duplicate field `{key}`")));
                     }
                     let value = map.next_value::<V>()?;
                     out.push((key, value));
