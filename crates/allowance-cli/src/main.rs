@@ -134,7 +134,7 @@ fn check_config(file: &std::path::Path) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(errors) => {
-            crate::err(&format!("{errors}"));
+            crate::err(&format!("{}\n", errors.to_string().trim_end()));
             ExitCode::from(2)
         }
     }

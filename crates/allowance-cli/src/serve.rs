@@ -36,7 +36,9 @@ pub struct ServeArgs {
 /// with the file, line and key and exits 2.
 fn configure(args: &ServeArgs) -> Result<Config, String> {
     let mut config = match &args.config {
-        Some(path) => allowance_config::load(path).map_err(|e| e.to_string())?,
+        Some(path) => {
+            allowance_config::load(path).map_err(|e| format!("{}\n", e.to_string().trim_end()))?
+        }
         None => allowance_config::starter(),
     };
     if let Some(listen) = args.listen {

@@ -19,7 +19,10 @@ fn set(names: &[&str]) -> BTreeSet<String> {
 fn ms(t: &Value) -> i64 {
     let s = t.as_str().expect("a time string");
     let ts: jiff::Timestamp = s.parse().expect("RFC 3339");
-    assert!(s.ends_with('Z') && s.len() == 24, "UTC with milliseconds: {s}");
+    assert!(
+        s.ends_with('Z') && s.len() == 24,
+        "UTC with milliseconds: {s}"
+    );
     ts.as_millisecond()
 }
 
@@ -31,14 +34,30 @@ async fn reserve_answers_the_reservation_remaining_and_headers() {
                    "amounts": {"input_tokens": 3000, "output_tokens": 1000},
                    "model": "gpt-4o", "labels": {"task": "summarise"}}"#;
     let r = s
-        .send("POST", "/v1/reservations", None, Some(body), Some("application/json"))
+        .send(
+            "POST",
+            "/v1/reservations",
+            None,
+            Some(body),
+            Some("application/json"),
+        )
         .await
         .expect(201);
     let b = &r.json;
     assert_eq!(
         keys(b),
-        set(&["id", "status", "tenant", "scopes", "model", "labels", "held", "created_at",
-              "expires_at", "remaining"])
+        set(&[
+            "id",
+            "status",
+            "tenant",
+            "scopes",
+            "model",
+            "labels",
+            "held",
+            "created_at",
+            "expires_at",
+            "remaining"
+        ])
     );
     assert!(b["id"].as_str().unwrap().starts_with("rsv_"));
     assert_eq!(b["id"].as_str().unwrap().len(), 36);
@@ -46,7 +65,11 @@ async fn reserve_answers_the_reservation_remaining_and_headers() {
     assert_eq!(b["tenant"], "acme");
     assert_eq!(
         b["scopes"],
-        json!(["tenant:acme", "tenant:acme/user:bob", "tenant:acme/agent:planner-7"])
+        json!([
+            "tenant:acme",
+            "tenant:acme/user:bob",
+            "tenant:acme/agent:planner-7"
+        ])
     );
     assert_eq!(b["model"], "gpt-4o");
     assert_eq!(b["labels"], json!({"task": "summarise"}));
@@ -63,7 +86,14 @@ async fn reserve_answers_the_reservation_remaining_and_headers() {
     for item in rem {
         assert_eq!(
             keys(item),
-            set(&["scope", "dimension", "window", "capacity", "remaining", "resets_at"])
+            set(&[
+                "scope",
+                "dimension",
+                "window",
+                "capacity",
+                "remaining",
+                "resets_at"
+            ])
         );
     }
     let user_tokens = rem
@@ -71,13 +101,23 @@ async fn reserve_answers_the_reservation_remaining_and_headers() {
         .find(|x| x["scope"] == "tenant:acme/user:bob" && x["dimension"] == "tokens")
         .unwrap();
     assert_eq!(
-        (&user_tokens["window"], &user_tokens["capacity"], &user_tokens["remaining"]),
+        (
+            &user_tokens["window"],
+            &user_tokens["capacity"],
+            &user_tokens["remaining"]
+        ),
         (&json!("sliding"), &json!(200_000), &json!(196_000))
     );
     // The tightest limit is the agent's concurrency: 1 of 2 left (0.5).
-    assert_eq!(r.header("ratelimit-policy"), Some("\"agent-concurrent\";q=2"));
+    assert_eq!(
+        r.header("ratelimit-policy"),
+        Some("\"agent-concurrent\";q=2")
+    );
     let state = r.header("ratelimit").unwrap();
-    assert!(state.starts_with("\"agent-concurrent\";r=1;t=30"), "{state}");
+    assert!(
+        state.starts_with("\"agent-concurrent\";r=1;t=30"),
+        "{state}"
+    );
     // The least room among tokens limits (agent: 100,000 − 4,000), and requests
     // (agent bucket: 30 − 1).
     assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("96000"));
@@ -85,7 +125,10 @@ async fn reserve_answers_the_reservation_remaining_and_headers() {
 
     // GET answers the reservation object, without `remaining`.
     let id = b["id"].as_str().unwrap();
-    let g = s.get(&format!("/v1/reservations/{id}"), None).await.expect(200);
+    let g = s
+        .get(&format!("/v1/reservations/{id}"), None)
+        .await
+        .expect(200);
     let mut expected = b.clone();
     expected.as_object_mut().unwrap().remove("remaining");
     assert_eq!(g.json, expected);
@@ -134,7 +177,13 @@ async fn settle_refund_extend_and_their_repeats() {
     assert_eq!(first.json, again.json);
     // Refund of a settled reservation: 409 naming its status.
     let c = s
-        .send("POST", &format!("/v1/reservations/{id}/refund"), None, None, None)
+        .send(
+            "POST",
+            &format!("/v1/reservations/{id}/refund"),
+            None,
+            None,
+            None,
+        )
         .await
         .expect(409);
     assert_eq!(c.error_type(), "conflict");
@@ -143,7 +192,13 @@ async fn settle_refund_extend_and_their_repeats() {
     // Refund (no body, and `{}`), repeat, then settle → 409.
     let id = reserve(json!({"input_tokens": 10})).await;
     let r1 = s
-        .send("POST", &format!("/v1/reservations/{id}/refund"), None, None, None)
+        .send(
+            "POST",
+            &format!("/v1/reservations/{id}/refund"),
+            None,
+            None,
+            None,
+        )
         .await
         .expect(200);
     assert_eq!(r1.json["status"], "refunded");
@@ -154,7 +209,11 @@ async fn settle_refund_extend_and_their_repeats() {
         .expect(200);
     assert_eq!(r1.json, r2.json);
     let c = s
-        .post(&format!("/v1/reservations/{id}/settle"), None, &json!({"usage": {}}))
+        .post(
+            &format!("/v1/reservations/{id}/settle"),
+            None,
+            &json!({"usage": {}}),
+        )
         .await
         .expect(409);
     assert_eq!(c.json["error"]["status"], "refunded");
@@ -162,7 +221,10 @@ async fn settle_refund_extend_and_their_repeats() {
     // Extend amounts and ttl; then an extension past the user's tokens cap
     // is denied and leaves the hold as it was.
     let id = reserve(json!({"input_tokens": 1000})).await;
-    let before = s.get(&format!("/v1/reservations/{id}"), None).await.expect(200);
+    let before = s
+        .get(&format!("/v1/reservations/{id}"), None)
+        .await
+        .expect(200);
     let e = s
         .post(
             &format!("/v1/reservations/{id}/extend"),
@@ -183,7 +245,10 @@ async fn settle_refund_extend_and_their_repeats() {
         .await
         .expect(422);
     assert_eq!(d.error_type(), "exceeds_limit");
-    let after = s.get(&format!("/v1/reservations/{id}"), None).await.expect(200);
+    let after = s
+        .get(&format!("/v1/reservations/{id}"), None)
+        .await
+        .expect(200);
     assert_eq!(after.json, e.json, "a refused extension changes nothing");
     // `{}` is a 400; an ended reservation is a 409.
     let bad = s
@@ -191,18 +256,30 @@ async fn settle_refund_extend_and_their_repeats() {
         .await
         .expect(400);
     assert_eq!(bad.error_type(), "invalid_request");
-    s.send("POST", &format!("/v1/reservations/{id}/refund"), None, None, None)
-        .await
-        .expect(200);
+    s.send(
+        "POST",
+        &format!("/v1/reservations/{id}/refund"),
+        None,
+        None,
+        None,
+    )
+    .await
+    .expect(200);
     let c = s
-        .post(&format!("/v1/reservations/{id}/extend"), None, &json!({"ttl_ms": 1000}))
+        .post(
+            &format!("/v1/reservations/{id}/extend"),
+            None,
+            &json!({"ttl_ms": 1000}),
+        )
         .await
         .expect(409);
     assert_eq!(c.json["error"]["status"], "refunded");
 
     // Unknown ids: 404 for every route.
     let unknown = "rsv_0123456789abcdef0123456789abcdef";
-    s.get(&format!("/v1/reservations/{unknown}"), None).await.expect(404);
+    s.get(&format!("/v1/reservations/{unknown}"), None)
+        .await
+        .expect(404);
     for op in ["settle", "refund", "extend"] {
         let r = s
             .post(
@@ -222,12 +299,18 @@ async fn dry_run_and_idempotency() {
     let s = Server::start();
     let body = json!({"tenant": "acme", "scopes": {"user": "dry"}, "amounts": {"input_tokens": 500},
                       "dry_run": true});
-    let before = s.get("/v1/scopes/tenant:acme/user:dry", None).await.expect(200);
+    let before = s
+        .get("/v1/scopes/tenant:acme/user:dry", None)
+        .await
+        .expect(200);
     let d = s.post("/v1/reservations", None, &body).await.expect(200);
     assert_eq!(d.json["status"], "dry_run");
     assert!(d.json.get("id").is_none());
     assert!(d.json["remaining"].is_array());
-    let after = s.get("/v1/scopes/tenant:acme/user:dry", None).await.expect(200);
+    let after = s
+        .get("/v1/scopes/tenant:acme/user:dry", None)
+        .await
+        .expect(200);
     assert_eq!(before.json, after.json, "a dry run holds nothing");
 
     let keyed = json!({"tenant": "acme", "amounts": {"input_tokens": 10},
@@ -256,20 +339,42 @@ async fn every_denial_type_with_its_headers() {
     let e = &d.json["error"];
     assert_eq!(
         keys(e),
-        set(&["type", "message", "scope", "dimension", "window", "capacity", "remaining",
-              "requested", "retry_after_ms", "resets_at"])
+        set(&[
+            "type",
+            "message",
+            "scope",
+            "dimension",
+            "window",
+            "capacity",
+            "remaining",
+            "requested",
+            "retry_after_ms",
+            "resets_at"
+        ])
     );
     assert_eq!(e["type"], "rate_limited");
     assert_eq!(e["scope"], "tenant:acme/user:busy");
     assert_eq!(e["dimension"], "concurrent");
     assert_eq!(e["window"], "concurrent");
-    assert_eq!((&e["capacity"], &e["remaining"], &e["requested"]), (&json!(4), &json!(0), &json!(1)));
+    assert_eq!(
+        (&e["capacity"], &e["remaining"], &e["requested"]),
+        (&json!(4), &json!(0), &json!(1))
+    );
     let retry_ms = e["retry_after_ms"].as_u64().unwrap();
-    assert!(retry_ms > 50_000 && retry_ms <= 60_000, "the first hold ends: {retry_ms}");
-    assert_eq!(d.header("retry-after"), Some(retry_ms.div_ceil(1000).to_string().as_str()));
+    assert!(
+        retry_ms > 50_000 && retry_ms <= 60_000,
+        "the first hold ends: {retry_ms}"
+    );
+    assert_eq!(
+        d.header("retry-after"),
+        Some(retry_ms.div_ceil(1000).to_string().as_str())
+    );
     assert_eq!(d.header("x-budget-scope"), Some("tenant:acme/user:busy"));
     assert_eq!(d.header("x-budget-dimension"), Some("concurrent"));
-    assert_eq!(d.header("ratelimit-policy"), Some("\"user-concurrent\";q=4"));
+    assert_eq!(
+        d.header("ratelimit-policy"),
+        Some("\"user-concurrent\";q=4")
+    );
     assert_eq!(
         d.header("ratelimit"),
         Some(format!("\"user-concurrent\";r=0;t={}", retry_ms.div_ceil(1000)).as_str())
@@ -289,11 +394,19 @@ async fn every_denial_type_with_its_headers() {
     assert_eq!(d.json["error"]["requested"], 200_001);
     assert!(d.header("retry-after").is_none(), "no retry helps");
     assert_eq!(d.header("x-budget-dimension"), Some("tokens"));
-    assert_eq!(d.header("ratelimit-policy"), Some("\"user-tokens\";q=200000;w=3600"));
+    assert_eq!(
+        d.header("ratelimit-policy"),
+        Some("\"user-tokens\";q=200000;w=3600")
+    );
 
     // budget_exhausted: a task's total cost budget (5,000,000 µ) spent.
-    let spend = json!({"tenant": "acme", "scopes": {"task": "t1"}, "amounts": {"cost_micros": 4_000_000}});
-    let id = s.post("/v1/reservations", None, &spend).await.expect(201).json["id"]
+    let spend =
+        json!({"tenant": "acme", "scopes": {"task": "t1"}, "amounts": {"cost_micros": 4_000_000}});
+    let id = s
+        .post("/v1/reservations", None, &spend)
+        .await
+        .expect(201)
+        .json["id"]
         .as_str()
         .unwrap()
         .to_string();
@@ -304,13 +417,17 @@ async fn every_denial_type_with_its_headers() {
     )
     .await
     .expect(200);
-    let more = json!({"tenant": "acme", "scopes": {"task": "t1"}, "amounts": {"cost_micros": 1_000_000}});
+    let more =
+        json!({"tenant": "acme", "scopes": {"task": "t1"}, "amounts": {"cost_micros": 1_000_000}});
     let d = s.post("/v1/reservations", None, &more).await.expect(402);
     assert_eq!(d.error_type(), "budget_exhausted");
     assert_eq!(d.json["error"]["scope"], "tenant:acme/task:t1");
     assert_eq!(d.json["error"]["remaining"], 500_000);
     assert_eq!(d.json["error"]["retry_after_ms"], Value::Null);
-    assert_eq!(d.header("ratelimit-policy"), Some("\"task-cost_micros\";q=5000000"));
+    assert_eq!(
+        d.header("ratelimit-policy"),
+        Some("\"task-cost_micros\";q=5000000")
+    );
     // An admin credit makes room again (audited), and the status shows it.
     let a = s
         .post(
@@ -327,16 +444,25 @@ async fn every_denial_type_with_its_headers() {
         .find(|l| l["dimension"] == "cost_micros")
         .unwrap()
         .clone();
-    assert_eq!((&cost["used"], &cost["remaining"]), (&json!(3_500_000), &json!(1_500_000)));
+    assert_eq!(
+        (&cost["used"], &cost["remaining"]),
+        (&json!(3_500_000), &json!(1_500_000))
+    );
     s.post("/v1/reservations", None, &more).await.expect(201);
-    assert!(s.log_text().contains("goodwill"), "the adjustment is in the log");
+    assert!(
+        s.log_text().contains("goodwill"),
+        "the adjustment is in the log"
+    );
 }
 
 #[tokio::test]
 async fn scope_status_plans_overrides() {
     let s = Server::start();
     // A scope never used answers its plan with zero use; raw or encoded path.
-    let raw = s.get("/v1/scopes/tenant:acme/user:new", None).await.expect(200);
+    let raw = s
+        .get("/v1/scopes/tenant:acme/user:new", None)
+        .await
+        .expect(200);
     let enc = s
         .get("/v1/scopes/tenant%3Aacme%2Fuser%3Anew", None)
         .await
@@ -366,7 +492,13 @@ async fn scope_status_plans_overrides() {
         .collect();
     assert_eq!(
         names,
-        ["agent-default", "task-default", "tenant-default", "tool-default", "user-default"]
+        [
+            "agent-default",
+            "task-default",
+            "tenant-default",
+            "tool-default",
+            "user-default"
+        ]
     );
     let tiny = json!({"limits": [{"dimension": "tokens", "capacity": 100, "window": "sliding",
                                   "period_ms": 60000, "slices": 60}]});
@@ -374,7 +506,11 @@ async fn scope_status_plans_overrides() {
     assert_eq!(p.json["name"], "tiny");
     assert_eq!(p.json["limits"], tiny["limits"]);
     let moved = s
-        .put("/v1/scopes/tenant:acme/user:new", None, &json!({"plan": "tiny"}))
+        .put(
+            "/v1/scopes/tenant:acme/user:new",
+            None,
+            &json!({"plan": "tiny"}),
+        )
         .await
         .expect(200);
     assert_eq!(moved.json["plan"], "tiny");
@@ -389,20 +525,35 @@ async fn scope_status_plans_overrides() {
     assert_eq!(d.json["error"]["capacity"], 100);
     // Its own limits, with a custom dimension new to the catalog.
     let own = json!({"limits": [{"dimension": "search_calls", "capacity": 3, "window": "total"}]});
-    let o = s.put("/v1/scopes/tenant:acme/user:new", None, &own).await.expect(200);
+    let o = s
+        .put("/v1/scopes/tenant:acme/user:new", None, &own)
+        .await
+        .expect(200);
     assert_eq!(o.json["limits"][0]["dimension"], "search_calls");
     let ok = json!({"tenant": "acme", "scopes": {"user": "new"}, "amounts": {"search_calls": 3}});
     s.post("/v1/reservations", None, &ok).await.expect(201);
     s.post("/v1/reservations", None, &ok).await.expect(429);
     // Back to the kind's default plan; a second delete finds no override.
     let back = s
-        .send("DELETE", "/v1/scopes/tenant:acme/user:new/override", None, None, None)
+        .send(
+            "DELETE",
+            "/v1/scopes/tenant:acme/user:new/override",
+            None,
+            None,
+            None,
+        )
         .await
         .expect(200);
     assert_eq!(back.json["plan"], "user-default");
-    s.send("DELETE", "/v1/scopes/tenant:acme/user:new/override", None, None, None)
-        .await
-        .expect(404);
+    s.send(
+        "DELETE",
+        "/v1/scopes/tenant:acme/user:new/override",
+        None,
+        None,
+        None,
+    )
+    .await
+    .expect(404);
 }
 
 #[tokio::test]
@@ -424,7 +575,10 @@ async fn operations_routes() {
     .expect(422);
     let m = s.get("/metrics", None).await.expect(200);
     let text = m.json.as_str().unwrap();
-    assert!(text.contains("allowance_operations_total{op=\"reserve\",outcome=\"ok\"} 1"), "{text}");
+    assert!(
+        text.contains("allowance_operations_total{op=\"reserve\",outcome=\"ok\"} 1"),
+        "{text}"
+    );
     assert!(
         text.contains(
             "allowance_denials_total{scope_kind=\"user\",dimension=\"tokens\",type=\"exceeds_limit\"} 1"
@@ -432,7 +586,10 @@ async fn operations_routes() {
         "{text}"
     );
     assert!(text.contains("allowance_held_reservations 1"), "{text}");
-    assert!(text.contains("allowance_operation_duration_seconds_bucket"), "{text}");
+    assert!(
+        text.contains("allowance_operation_duration_seconds_bucket"),
+        "{text}"
+    );
     assert!(!text.contains("secret-tenant"), "no scope ids in metrics");
 
     let doc = s.get("/openapi.json", None).await.expect(200).json;
@@ -452,7 +609,10 @@ async fn operations_routes() {
         "/readyz",
         "/metrics",
     ] {
-        assert!(doc["paths"].get(path).is_some(), "{path} missing from the OpenAPI document");
+        assert!(
+            doc["paths"].get(path).is_some(),
+            "{path} missing from the OpenAPI document"
+        );
     }
     assert!(doc["components"]["schemas"].get("ReserveBody").is_some());
 
@@ -491,8 +651,10 @@ limits = [{ dimension = "tokens", capacity = 1000, window = "sliding", period = 
     let remaining = |scope: &'static str| {
         let s = &s;
         async move {
-            s.get(&format!("/v1/scopes/{scope}"), None).await.expect(200).json["limits"][0]
-                ["remaining"]
+            s.get(&format!("/v1/scopes/{scope}"), None)
+                .await
+                .expect(200)
+                .json["limits"][0]["remaining"]
                 .as_i64()
                 .unwrap()
         }
@@ -506,11 +668,18 @@ limits = [{ dimension = "tokens", capacity = 1000, window = "sliding", period = 
     let d = reserve("a2", 600, 300_000).await.expect(429);
     assert_eq!(d.json["error"]["scope"], "tenant:t");
     assert_eq!(
-        (&d.json["error"]["capacity"], &d.json["error"]["remaining"], &d.json["error"]["requested"]),
+        (
+            &d.json["error"]["capacity"],
+            &d.json["error"]["remaining"],
+            &d.json["error"]["requested"]
+        ),
         (&json!(1500), &json!(500), &json!(600))
     );
     let retry = d.json["error"]["retry_after_ms"].as_u64().unwrap();
-    assert!(retry > 290_000 && retry <= 300_000, "the hold ends in 5 minutes: {retry}");
+    assert!(
+        retry > 290_000 && retry <= 300_000,
+        "the hold ends in 5 minutes: {retry}"
+    );
     assert_eq!(remaining("tenant:t/agent:a2").await, 1000);
 
     let settle = json!({"usage": {"tokens": 700}});
@@ -532,7 +701,13 @@ limits = [{ dimension = "tokens", capacity = 1000, window = "sliding", period = 
         .to_string();
     for _ in 0..2 {
         let r = s
-            .send("POST", &format!("/v1/reservations/{r2}/refund"), None, None, None)
+            .send(
+                "POST",
+                &format!("/v1/reservations/{r2}/refund"),
+                None,
+                None,
+                None,
+            )
             .await
             .expect(200);
         assert_eq!(r.json["status"], "refunded");
@@ -547,13 +722,23 @@ limits = [{ dimension = "tokens", capacity = 1000, window = "sliding", period = 
     assert_eq!(remaining("tenant:t/agent:a1").await, 100);
     tokio::time::sleep(std::time::Duration::from_millis(400)).await;
     assert_eq!(remaining("tenant:t/agent:a1").await, 300);
-    let g = s.get(&format!("/v1/reservations/{r3}"), None).await.expect(200);
-    assert_eq!(g.json["status"], "expired");
-    let late = s
-        .post(&format!("/v1/reservations/{r3}/settle"), None, &json!({"usage": {"tokens": 50}}))
+    let g = s
+        .get(&format!("/v1/reservations/{r3}"), None)
         .await
         .expect(200);
-    assert_eq!((&late.json["status"], &late.json["late"]), (&json!("settled"), &json!(true)));
+    assert_eq!(g.json["status"], "expired");
+    let late = s
+        .post(
+            &format!("/v1/reservations/{r3}/settle"),
+            None,
+            &json!({"usage": {"tokens": 50}}),
+        )
+        .await
+        .expect(200);
+    assert_eq!(
+        (&late.json["status"], &late.json["late"]),
+        (&json!("settled"), &json!(true))
+    );
     assert_eq!(remaining("tenant:t/agent:a1").await, 250);
     assert_eq!(remaining("tenant:t").await, 750);
     // (The last step of the seed — everything leaving the hour — is the

@@ -61,14 +61,21 @@ fn count(replies: &[Reply], status: u16) -> usize {
 #[tokio::test]
 async fn seed_002_forty_simultaneous_reserves() {
     let s = Server::with_config(RACE_CONFIG);
-    let task = json!({"tenant": "acme", "scopes": {"user": "eve"}, "amounts": {"cost_micros": 4_450_000}});
+    let task =
+        json!({"tenant": "acme", "scopes": {"user": "eve"}, "amounts": {"cost_micros": 4_450_000}});
     let replies = simultaneous(&s, 40, task.clone()).await;
     assert_eq!(count(&replies, 201), 4, "4 × 4.45 fit in 20, 5 do not");
     assert_eq!(count(&replies, 429), 36);
     assert!(replies.iter().all(|r| r.status == 201 || r.status == 429));
-    let st = s.get("/v1/scopes/tenant:acme/user:eve", None).await.expect(200);
+    let st = s
+        .get("/v1/scopes/tenant:acme/user:eve", None)
+        .await
+        .expect(200);
     let cost = &st.json["limits"][0];
-    assert_eq!((&cost["held"], &cost["remaining"]), (&json!(17_800_000), &json!(2_200_000)));
+    assert_eq!(
+        (&cost["held"], &cost["remaining"]),
+        (&json!(17_800_000), &json!(2_200_000))
+    );
 
     // The seed's figures: a user already at €18.10 admits none of forty.
     let spent = s
@@ -90,7 +97,11 @@ async fn seed_002_forty_simultaneous_reserves() {
     let mut sam = task.clone();
     sam["scopes"]["user"] = json!("sam");
     let replies = simultaneous(&s, 40, sam).await;
-    assert_eq!(count(&replies, 201), 0, "€18.10 + €4.45 > €20: none may start");
+    assert_eq!(
+        count(&replies, 201),
+        0,
+        "€18.10 + €4.45 > €20: none may start"
+    );
     assert_eq!(count(&replies, 429), 40);
 }
 
@@ -98,9 +109,13 @@ async fn seed_002_forty_simultaneous_reserves() {
 #[tokio::test]
 async fn concurrency_gauge_race() {
     let s = Server::with_config(RACE_CONFIG);
-    s.put("/v1/scopes/tenant:acme/user:gus", None, &json!({"plan": "gauge"}))
-        .await
-        .expect(200);
+    s.put(
+        "/v1/scopes/tenant:acme/user:gus",
+        None,
+        &json!({"plan": "gauge"}),
+    )
+    .await
+    .expect(200);
     let body = json!({"tenant": "acme", "scopes": {"user": "gus"}, "amounts": {"input_tokens": 1}});
     for round in 0..3 {
         let replies = simultaneous(&s, 40, body.clone()).await;
@@ -109,9 +124,13 @@ async fn concurrency_gauge_race() {
         // Settle the admitted ones: the gauge is free again.
         for r in replies.iter().filter(|r| r.status == 201) {
             let id = r.json["id"].as_str().unwrap();
-            s.post(&format!("/v1/reservations/{id}/settle"), None, &json!({"usage": {}}))
-                .await
-                .expect(200);
+            s.post(
+                &format!("/v1/reservations/{id}/settle"),
+                None,
+                &json!({"usage": {}}),
+            )
+            .await
+            .expect(200);
         }
     }
 }
@@ -159,7 +178,10 @@ async fn racing_settles_add_up() {
         });
     }
     let total: u64 = set.join_all().await.into_iter().sum();
-    let st = s.get("/v1/scopes/tenant:acme/user:pool", None).await.expect(200);
+    let st = s
+        .get("/v1/scopes/tenant:acme/user:pool", None)
+        .await
+        .expect(200);
     assert_eq!(st.json["limits"][0]["used"], total);
     assert_eq!(st.json["limits"][0]["held"], 0);
     assert_eq!(st.json["held_reservations"], 0);
@@ -171,7 +193,11 @@ async fn racing_settles_add_up() {
 async fn graceful_shutdown_finishes_the_settle_in_flight() {
     let s = Server::start();
     let id = s
-        .post("/v1/reservations", None, &json!({"tenant": "acme", "amounts": {"input_tokens": 5}}))
+        .post(
+            "/v1/reservations",
+            None,
+            &json!({"tenant": "acme", "amounts": {"input_tokens": 5}}),
+        )
         .await
         .expect(201)
         .json["id"]
@@ -181,7 +207,8 @@ async fn graceful_shutdown_finishes_the_settle_in_flight() {
     let addr = s.base.trim_start_matches("http://").to_string();
     let body = br#"{"usage": {"input_tokens": 4}}"#;
     let mut conn = TcpStream::connect(&addr).expect("connect");
-    conn.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
     write!(
         conn,
         "POST /v1/reservations/{id}/settle HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",

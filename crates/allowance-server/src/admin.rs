@@ -340,7 +340,18 @@ pub(crate) async fn scope_post(
         let s = state
             .call(state.store().adjust(&key, dim, body.amount.0))
             .await?
-            .map_err(|e| e.into_api(state.now(), &catalog))?;
+            .map_err(|e| match e.into_api(state.now(), &catalog) {
+                // The scope exists (every scope does); what is missing is a
+                // `total` limit on that dimension: the body's fault.
+                e if e.status() == 404 => ApiError::invalid(
+                    Some("dimension".into()),
+                    format!(
+                        "the scope's plan has no total limit on {:?}: only total budgets are adjusted",
+                        body.dimension
+                    ),
+                ),
+                e => e,
+            })?;
         // The usage log (with the durable store) will carry this record;
         // until then the audit trail is the structured log.
         tracing::info!(scope = %key, dimension = %body.dimension, amount = body.amount.0,

@@ -158,13 +158,10 @@ impl ApiError {
         Self::not_found("no such route")
     }
 
-    /// 405 would leak nothing useful; the error shape still applies.
+    /// A path that exists but not with this method. The spec's error types
+    /// have no 405; the (method, path) route does not exist, so 404.
     pub fn method_not_allowed() -> Self {
-        Self::plain(
-            StatusCode::METHOD_NOT_ALLOWED,
-            "invalid_request",
-            "this route does not take that method",
-        )
+        Self::not_found("no such route: this path does not take that method")
     }
 
     /// A denial: 429, 402 or 422 with every header HTTP-API.md asks for.

@@ -65,9 +65,22 @@ impl Server {
     }
 
     fn spawn(extra: &[&str], dir: Option<tempfile::TempDir>) -> Server {
+        let mut args = vec!["--listen", "127.0.0.1:0"];
+        args.extend_from_slice(extra);
+        Self::spawn_serve(&args, dir)
+    }
+
+    /// `allowance serve ARGS` exactly as given (no `--listen` added). The
+    /// address it reports is reached through 127.0.0.1 (a server told to
+    /// listen on 0.0.0.0 reports that): tests never talk to another host.
+    pub fn serve_args(args: &[&str]) -> Server {
+        Self::spawn_serve(args, None)
+    }
+
+    fn spawn_serve(serve_args: &[&str], dir: Option<tempfile::TempDir>) -> Server {
         let mut cmd = Command::new(bin());
-        cmd.args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0"])
-            .args(extra)
+        cmd.args(["--log-format", "json", "serve"])
+            .args(serve_args)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -98,6 +111,10 @@ impl Server {
                     log.lock().unwrap().join("\n")
                 );
             }
+        };
+        let addr = match addr.parse::<std::net::SocketAddr>() {
+            Ok(a) if a.ip().is_unspecified() => format!("127.0.0.1:{}", a.port()),
+            _ => addr,
         };
         Server {
             child: Some(child),
@@ -230,6 +247,38 @@ impl Reply {
 
     pub fn field(&self) -> Option<&str> {
         self.json["error"]["field"].as_str()
+    }
+}
+
+/// `allowance ARGS` to completion (stdin closed), with its exit status and output.
+pub fn run_cli(args: &[&str]) -> std::process::Output {
+    Command::new(bin())
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run allowance")
+}
+
+impl Server {
+    /// GET of every scope in `scopes` (with `token`), plus `extra_paths`,
+    /// as one JSON array: a picture of the ledger to compare before and
+    /// after a request. Each answer is kept whole (status and body).
+    pub async fn snapshot(
+        &self,
+        token: Option<&str>,
+        scopes: &[&str],
+        extra_paths: &[&str],
+    ) -> Value {
+        let mut out = Vec::new();
+        for s in scopes {
+            let r = self.get(&format!("/v1/scopes/{s}"), token).await;
+            out.push(serde_json::json!({"path": s, "status": r.status, "body": r.json}));
+        }
+        for p in extra_paths {
+            let r = self.get(p, token).await;
+            out.push(serde_json::json!({"path": p, "status": r.status, "body": r.json}));
+        }
+        Value::Array(out)
     }
 }
 
