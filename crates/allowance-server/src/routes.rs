@@ -176,9 +176,9 @@ pub(crate) async fn reserve(
         };
         if granted.replayed {
             // The stored reservation is the answer (it may have ended since).
-            let r = state.call(state.store().get(granted.id)).await??;
-            let mut view = match r {
-                Some(r) => ReservationView::of(&r, &catalog),
+            let stored = state.call(state.store().get(granted.id)).await??;
+            let mut view = match &stored {
+                Some(r) => ReservationView::of(r, &catalog),
                 None => ReservationView::granted(&granted, &req, &catalog),
             };
             view.replayed = Some(true);

@@ -16,14 +16,39 @@ use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-/// RFC 3339 UTC with milliseconds: `2026-11-29T16:05:00.000Z`.
+/// RFC 3339 UTC with milliseconds: `2026-11-29T16:05:00.000Z`. Formatted
+/// by hand (civil date from days, Hinnant's algorithm): every answer
+/// carries several of these, and a general formatter showed in profiles.
 pub fn rfc3339(t: Timestamp) -> String {
-    let ms = i64::try_from(t.as_millis()).unwrap_or(i64::MAX);
-    match jiff::Timestamp::from_millisecond(ms) {
-        Ok(ts) => ts.strftime("%Y-%m-%dT%H:%M:%S%.3fZ").to_string(),
+    use std::fmt::Write;
+    const DAY_MS: u64 = 86_400_000;
+    let ms = t.as_millis();
+    if ms >= 253_402_300_800_000 {
         // Beyond year 9999: not an instant this ledger can produce.
-        Err(_) => "9999-12-31T23:59:59.999Z".to_string(),
+        return "9999-12-31T23:59:59.999Z".to_string();
     }
+    let (days, in_day) = ((ms / DAY_MS) as i64, ms % DAY_MS);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let (h, m, s, milli) = (
+        in_day / 3_600_000,
+        in_day / 60_000 % 60,
+        in_day / 1_000 % 60,
+        in_day % 1_000,
+    );
+    let mut out = String::with_capacity(24);
+    let _ = write!(
+        out,
+        "{year:04}-{month:02}-{day:02}T{h:02}:{m:02}:{s:02}.{milli:03}Z"
+    );
+    out
 }
 
 /// The wire name of a window kind.
@@ -255,9 +280,9 @@ pub struct ScopeOverrideBody {
 
 /// Amounts by dimension name, in dimension order.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct AmountsView(pub Vec<(String, u64)>);
+pub struct AmountsView<'a>(pub Vec<(&'a str, u64)>);
 
-impl Serialize for AmountsView {
+impl Serialize for AmountsView<'_> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeMap;
         let mut m = s.serialize_map(Some(self.0.len()))?;
@@ -268,17 +293,17 @@ impl Serialize for AmountsView {
     }
 }
 
-impl AmountsView {
+impl<'a> AmountsView<'a> {
     /// `amounts` with the implied `requests: 1` and `concurrent: 1` of a
     /// reservation shown first (when `implied`).
-    pub fn of(amounts: &Amounts, catalog: &Catalog, implied: &[Dimension]) -> Self {
+    pub fn of(amounts: &Amounts, catalog: &'a Catalog, implied: &[Dimension]) -> Self {
         let mut out = Vec::with_capacity(implied.len() + 4);
         for d in implied {
-            out.push((catalog.dimension_name(*d).to_string(), 1));
+            out.push((catalog.dimension_name(*d), 1));
         }
         for (d, n) in amounts.iter() {
             if !implied.contains(&d) {
-                out.push((catalog.dimension_name(d).to_string(), n));
+                out.push((catalog.dimension_name(d), n));
             }
         }
         AmountsView(out)
@@ -287,11 +312,11 @@ impl AmountsView {
 
 /// One limit's room after a grant.
 #[derive(Debug, Serialize, ToSchema, PartialEq)]
-pub struct RemainingView {
+pub struct RemainingView<'a> {
     /// The scope.
-    pub scope: String,
+    pub scope: &'a str,
     /// The dimension.
-    pub dimension: String,
+    pub dimension: &'a str,
     /// The window kind.
     pub window: &'static str,
     /// The capacity.
@@ -302,12 +327,12 @@ pub struct RemainingView {
     pub resets_at: Option<String>,
 }
 
-impl RemainingView {
+impl<'a> RemainingView<'a> {
     /// From the engine's report.
-    pub fn of(r: &Remaining) -> Self {
+    pub fn of(r: &'a Remaining) -> Self {
         RemainingView {
-            scope: r.scope.as_str().to_string(),
-            dimension: r.dimension.clone(),
+            scope: r.scope.as_str(),
+            dimension: &r.dimension,
             window: window_name(r.window),
             capacity: r.capacity,
             remaining: r.remaining,
@@ -318,24 +343,24 @@ impl RemainingView {
 
 /// A reservation as answered by every reservation route.
 #[derive(Debug, Serialize, ToSchema, PartialEq)]
-pub struct ReservationView {
+pub struct ReservationView<'a> {
     /// `rsv_` + 32 hex digits; absent on a dry run.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub id: Option<String>,
     /// `held`, `settled`, `refunded`, `expired` (or `dry_run`).
     pub status: &'static str,
     /// The tenant.
-    pub tenant: String,
+    pub tenant: &'a str,
     /// Canonical scopes, the tenant first, then in the request's order.
-    pub scopes: Vec<String>,
+    pub scopes: Vec<&'a str>,
     /// The model named at reserve.
-    pub model: Option<String>,
+    pub model: Option<&'a str>,
     /// Labels.
     #[schema(value_type = std::collections::BTreeMap<String, String>)]
-    pub labels: LabelsView,
+    pub labels: LabelsView<'a>,
     /// Amounts held (or last held, once ended).
     #[schema(value_type = std::collections::BTreeMap<String, u64>)]
-    pub held: AmountsView,
+    pub held: AmountsView<'a>,
     /// When it was made.
     pub created_at: String,
     /// When the hold expires (or expired).
@@ -346,7 +371,7 @@ pub struct ReservationView {
     /// What a settle recorded after the overrun policy.
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<std::collections::BTreeMap<String, u64>>)]
-    pub charged: Option<AmountsView>,
+    pub charged: Option<AmountsView<'a>>,
     /// Whether it was settled after it expired (present once ended).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub late: Option<bool>,
@@ -355,18 +380,18 @@ pub struct ReservationView {
     pub replayed: Option<bool>,
     /// Every limit's room after a reserve (reserve answers only).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub remaining: Option<Vec<RemainingView>>,
+    pub remaining: Option<Vec<RemainingView<'a>>>,
 }
 
 /// Labels as a JSON object, in the order sent.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct LabelsView(pub Vec<(String, String)>);
+pub struct LabelsView<'a>(pub &'a [(String, String)]);
 
-impl Serialize for LabelsView {
+impl Serialize for LabelsView<'_> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeMap;
         let mut m = s.serialize_map(Some(self.0.len()))?;
-        for (k, v) in &self.0 {
+        for (k, v) in self.0 {
             m.serialize_entry(k, v)?;
         }
         m.end()
@@ -375,22 +400,17 @@ impl Serialize for LabelsView {
 
 const IMPLIED: [Dimension; 2] = [Dimension::REQUESTS, Dimension::CONCURRENT];
 
-impl ReservationView {
+impl<'a> ReservationView<'a> {
     /// A reservation as read back.
-    pub fn of(r: &Reservation, catalog: &Catalog) -> Self {
+    pub fn of(r: &'a Reservation, catalog: &'a Catalog) -> Self {
         let ended = r.ended_at.is_some();
         ReservationView {
             id: Some(r.id.to_string()),
             status: r.status.as_str(),
-            tenant: r.scopes.tenant_name().to_string(),
-            scopes: r
-                .scopes
-                .as_slice()
-                .iter()
-                .map(|k| k.as_str().to_string())
-                .collect(),
-            model: r.model.as_deref().map(str::to_string),
-            labels: LabelsView(r.labels.as_deref().map(<[_]>::to_vec).unwrap_or_default()),
+            tenant: r.scopes.tenant_name(),
+            scopes: r.scopes.as_slice().iter().map(|k| k.as_str()).collect(),
+            model: r.model.as_deref(),
+            labels: LabelsView(r.labels.as_deref().unwrap_or_default()),
             held: AmountsView::of(&r.held, catalog, &IMPLIED),
             created_at: rfc3339(r.created_at),
             expires_at: rfc3339(r.expires_at),
@@ -407,7 +427,11 @@ impl ReservationView {
 
     /// A fresh grant or a dry run of `req` (a replay is answered from the
     /// stored reservation instead).
-    pub fn granted(g: &Granted, req: &allowance_core::ReserveRequest, catalog: &Catalog) -> Self {
+    pub fn granted(
+        g: &'a Granted,
+        req: &'a allowance_core::ReserveRequest,
+        catalog: &'a Catalog,
+    ) -> Self {
         ReservationView {
             id: (!g.dry_run).then(|| g.id.to_string()),
             status: if g.dry_run {
@@ -415,15 +439,10 @@ impl ReservationView {
             } else {
                 g.status.as_str()
             },
-            tenant: req.scopes.tenant_name().to_string(),
-            scopes: req
-                .scopes
-                .as_slice()
-                .iter()
-                .map(|k| k.as_str().to_string())
-                .collect(),
-            model: req.model.as_deref().map(str::to_string),
-            labels: LabelsView(req.labels.as_deref().map(<[_]>::to_vec).unwrap_or_default()),
+            tenant: req.scopes.tenant_name(),
+            scopes: req.scopes.as_slice().iter().map(|k| k.as_str()).collect(),
+            model: req.model.as_deref(),
+            labels: LabelsView(req.labels.as_deref().unwrap_or_default()),
             held: AmountsView::of(&g.held, catalog, &IMPLIED),
             created_at: rfc3339(g.created_at),
             expires_at: rfc3339(g.expires_at),
@@ -541,4 +560,45 @@ pub fn amounts_of(
         out.set(d, *n);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rfc3339_matches_jiff_everywhere() {
+        // Epoch, leap days, century rules, the ends of months and years,
+        // and a spread of instants up to year 9999.
+        let mut cases = vec![
+            0u64,
+            951_782_400_000,   // 2000-02-29
+            4_107_542_399_999, // 2100-02-28T23:59:59.999
+            4_107_542_400_000, // 2100-03-01
+            1_700_000_000_123,
+            253_402_207_200_000, // jiff's last instant, 9999-12-30T22:00
+        ];
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for _ in 0..20_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            cases.push(x % 253_402_207_200_001);
+        }
+        for ms in cases {
+            let want = jiff::Timestamp::from_millisecond(ms as i64)
+                .unwrap()
+                .strftime("%Y-%m-%dT%H:%M:%S%.3fZ")
+                .to_string();
+            assert_eq!(rfc3339(Timestamp::from_millis(ms)), want, "{ms}");
+        }
+        assert_eq!(
+            rfc3339(Timestamp::from_millis(253_402_300_799_999)),
+            "9999-12-31T23:59:59.999Z"
+        );
+        assert_eq!(
+            rfc3339(Timestamp::from_millis(u64::MAX)),
+            "9999-12-31T23:59:59.999Z"
+        );
+    }
 }
