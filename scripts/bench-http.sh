@@ -29,25 +29,35 @@ $BIN bench-noop --listen 127.0.0.1:$NOOP_PORT 2>"$out/noop.log" &
 noop=$!
 sleep 1
 
-run() { # url label round
+# CPU time (user + system, clock ticks) a process has used so far.
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+TICKS=$(getconf CLK_TCK)
+
+run() { # url label round pid
+  local before after pairs p99 errors total cpu_us
+  before=$(cpu_ticks "$4")
   $BIN bench --server "$1" --scenario "$SCENARIO" --duration "$DURATION" \
     --concurrency "$CONCURRENCY" 2>/dev/null >"$out/$2.$3"
-  local pairs p99
+  after=$(cpu_ticks "$4")
   pairs=$(awk '/^  pairs/ {gsub(/[(\/s)]/, "", $3); print $3}' "$out/$2.$3")
+  total=$(awk '/^  pairs/ {print $2}' "$out/$2.$3")
   p99=$(awk '/^  pair / {print $5}' "$out/$2.$3")
   errors=$(awk '/^  errors/ {print $2}' "$out/$2.$3")
-  echo "$2 round $3: $pairs pairs/s, pair p99 $p99 ms, errors $errors" >&2
-  echo "$pairs $p99" >>"$out/$2.all"
+  # Server CPU per pair: robust to a noisy machine, unlike wall throughput.
+  # (It includes the 1 s warm-up's pairs' CPU, a small overestimate for both.)
+  cpu_us=$(awk -v t=$((after - before)) -v hz="$TICKS" -v n="$total" 'BEGIN {printf "%.1f", t / hz * 1e6 / n}')
+  echo "$2 round $3: $pairs pairs/s, pair p99 $p99 ms, server CPU $cpu_us us/pair, errors $errors" >&2
+  echo "$pairs $p99 $cpu_us" >>"$out/$2.all"
 }
 
 for r in $(seq 1 "$ROUNDS"); do
   # Alternate which goes first, so drift in the machine's load hits both.
   if (( r % 2 )); then
-    run "http://127.0.0.1:$SERVER_PORT" allowance "$r"
-    run "http://127.0.0.1:$NOOP_PORT" noop "$r"
+    run "http://127.0.0.1:$SERVER_PORT" allowance "$r" $server
+    run "http://127.0.0.1:$NOOP_PORT" noop "$r" $noop
   else
-    run "http://127.0.0.1:$NOOP_PORT" noop "$r"
-    run "http://127.0.0.1:$SERVER_PORT" allowance "$r"
+    run "http://127.0.0.1:$NOOP_PORT" noop "$r" $noop
+    run "http://127.0.0.1:$SERVER_PORT" allowance "$r" $server
   fi
 done
 
@@ -56,9 +66,11 @@ a_tput=$(cut -d' ' -f1 "$out/allowance.all" | median)
 n_tput=$(cut -d' ' -f1 "$out/noop.all" | median)
 a_p99=$(cut -d' ' -f2 "$out/allowance.all" | median)
 n_p99=$(cut -d' ' -f2 "$out/noop.all" | median)
+a_cpu=$(cut -d' ' -f3 "$out/allowance.all" | median)
+n_cpu=$(cut -d' ' -f3 "$out/noop.all" | median)
 echo
 echo "scenario $SCENARIO, concurrency $CONCURRENCY, $ROUNDS rounds of $DURATION (medians)"
-echo "allowance: $a_tput pairs/s, pair p99 $a_p99 ms"
-echo "no-op:     $n_tput pairs/s, pair p99 $n_p99 ms"
-awk -v a="$a_tput" -v n="$n_tput" -v ap="$a_p99" -v np="$n_p99" 'BEGIN {
-  printf "throughput %.1f%% of the no-op (target >= 80%%); p99 %.2fx the no-op (target <= 1.5x)\n", 100*a/n, ap/np }'
+echo "allowance: $a_tput pairs/s, pair p99 $a_p99 ms, server CPU $a_cpu us/pair"
+echo "no-op:     $n_tput pairs/s, pair p99 $n_p99 ms, server CPU $n_cpu us/pair"
+awk -v a="$a_tput" -v n="$n_tput" -v ap="$a_p99" -v np="$n_p99" -v ac="$a_cpu" -v nc="$n_cpu" 'BEGIN {
+  printf "throughput %.1f%% of the no-op (target >= 80%%); p99 %.2fx the no-op (target <= 1.5x); server CPU per pair %.2fx the no-op\n", 100*a/n, ap/np, ac/nc }'

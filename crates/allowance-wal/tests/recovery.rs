@@ -1,0 +1,331 @@
+//! Opening a log after a crash: a torn tail is cut and reported; damage
+//! anywhere else stops the open with the file, the byte offset and what is
+//! wrong, and changes nothing on disk.
+
+mod common;
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use allowance_wal::{Fsync, RealFs, Recovered, TornTail, Wal, WalError, WalOptions};
+use common::{TempDir, durable, payload, read_after, runtime, segment_files};
+
+const HEADER: usize = 8;
+const RECORD_HEADER: usize = 16;
+
+fn open(dir: &Path, segment_bytes: u64) -> Result<(Wal, Recovered), WalError> {
+    let opts = WalOptions {
+        fsync: Fsync::Always,
+        segment_bytes,
+        ..WalOptions::new(dir)
+    };
+    Wal::open(opts, Arc::new(RealFs))
+}
+
+/// Writes `payloads` as lsns 1.. into a fresh log and closes it.
+fn write_log(dir: &Path, segment_bytes: u64, payloads: &[Vec<u8>]) {
+    let rt = runtime();
+    let (wal, _) = open(dir, segment_bytes).expect("open");
+    let mut last = 0;
+    for p in payloads {
+        last = wal.append(p).expect("append");
+    }
+    durable(&rt, &wal, last).expect("durable");
+    wal.close().expect("close");
+}
+
+fn numbered(payloads: &[Vec<u8>]) -> Vec<(u64, Vec<u8>)> {
+    (1..).zip(payloads.iter().cloned()).collect()
+}
+
+/// Byte offset of each record in a single-segment log of `payloads`.
+fn offsets(payloads: &[Vec<u8>]) -> Vec<usize> {
+    let mut at = HEADER;
+    payloads
+        .iter()
+        .map(|p| {
+            let start = at;
+            at += RECORD_HEADER + p.len();
+            start
+        })
+        .collect()
+}
+
+fn crc(lsn: u64, payload: &[u8]) -> u32 {
+    crc32c::crc32c_append(crc32c::crc32c(&lsn.to_le_bytes()), payload)
+}
+
+fn only_segment(dir: &Path) -> PathBuf {
+    let files = segment_files(dir);
+    assert_eq!(files.len(), 1, "{files:?}");
+    files[0].clone()
+}
+
+fn corrupt_error(dir: &Path, segment_bytes: u64) -> String {
+    match open(dir, segment_bytes) {
+        Ok(_) => panic!("opened a damaged log"),
+        Err(e @ WalError::Corrupt { .. }) => e.to_string(),
+        Err(e) => panic!("expected a corruption error, got {e}"),
+    }
+}
+
+/// Cutting the file at every byte inside the last record: open cuts the
+/// partial record, reports where and how much, keeps the four before it,
+/// and the log goes on from lsn 5.
+#[test]
+fn a_torn_last_record_is_cut_at_every_byte_offset() {
+    let rt = runtime();
+    let dir = TempDir::new("torn");
+    let payloads: Vec<Vec<u8>> = (1..=5).map(|i| payload(i * 11 + 2)).collect();
+    assert!(
+        payloads[4].len() > 20,
+        "the last record must have a payload to tear"
+    );
+    write_log(dir.path(), 1 << 20, &payloads);
+    let segment = only_segment(dir.path());
+    let full = fs::read(&segment).expect("read");
+    let last_start = offsets(&payloads)[4];
+    let last_len = full.len() - last_start;
+
+    for cut in last_start..full.len() {
+        fs::write(&segment, &full[..cut]).expect("cut");
+        let (wal, recovered) = open(dir.path(), 1 << 20).expect("open");
+        let present = cut - last_start;
+        let torn = (present > 0).then(|| TornTail {
+            file: segment.clone(),
+            offset: last_start as u64,
+            bytes_dropped: present as u64,
+            reason: format!(
+                "incomplete record: it needs {} bytes but only {present} remain in the file",
+                if present < RECORD_HEADER {
+                    RECORD_HEADER
+                } else {
+                    last_len
+                }
+            ),
+        });
+        assert_eq!(
+            recovered,
+            Recovered {
+                last_lsn: 4,
+                records: 4,
+                snapshot_lsn: None,
+                torn_tail: torn,
+            },
+            "cut at byte {cut}"
+        );
+        assert_eq!(
+            read_after(&wal, 0),
+            numbered(&payloads[..4]),
+            "cut at {cut}"
+        );
+        assert_eq!(
+            fs::metadata(&segment).expect("stat").len(),
+            last_start as u64
+        );
+
+        assert_eq!(wal.append(b"again").expect("append"), 5);
+        durable(&rt, &wal, 5).expect("durable");
+        drop(wal);
+        let (wal, recovered) = open(dir.path(), 1 << 20).expect("reopen");
+        assert_eq!((recovered.last_lsn, recovered.torn_tail), (5, None));
+        assert_eq!(read_after(&wal, 4), [(5, b"again".to_vec())]);
+    }
+}
+
+/// A last record whose checksum fails, and a tail of zeros (a file grown
+/// without its data), are torn tails too.
+#[test]
+fn a_bad_checksum_or_zeros_at_the_very_end_are_a_torn_tail() {
+    let dir = TempDir::new("torn-crc");
+    let payloads: Vec<Vec<u8>> = (1..=3).map(|i| vec![i as u8; 30]).collect();
+    write_log(dir.path(), 1 << 20, &payloads);
+    let segment = only_segment(dir.path());
+    let full = fs::read(&segment).expect("read");
+    let last_start = offsets(&payloads)[2];
+
+    let mut damaged = full.clone();
+    let at = damaged.len() - 1;
+    damaged[at] ^= 0x40;
+    fs::write(&segment, &damaged).expect("write");
+    let mut flipped = payloads[2].clone();
+    flipped[29] ^= 0x40;
+    let (wal, recovered) = open(dir.path(), 1 << 20).expect("open");
+    assert_eq!(
+        recovered.torn_tail,
+        Some(TornTail {
+            file: segment.clone(),
+            offset: last_start as u64,
+            bytes_dropped: (full.len() - last_start) as u64,
+            reason: format!(
+                "checksum mismatch: stored crc32c {:#010x}, computed {:#010x}",
+                crc(3, &payloads[2]),
+                crc(3, &flipped)
+            ),
+        })
+    );
+    assert_eq!(read_after(&wal, 0), numbered(&payloads[..2]));
+    drop(wal);
+
+    let mut zeros = fs::read(&segment).expect("read");
+    let valid = zeros.len();
+    zeros.extend_from_slice(&[0; 4096]);
+    fs::write(&segment, &zeros).expect("write");
+    let (wal, recovered) = open(dir.path(), 1 << 20).expect("open");
+    assert_eq!(
+        recovered.torn_tail,
+        Some(TornTail {
+            file: segment.clone(),
+            offset: valid as u64,
+            bytes_dropped: 4096,
+            reason: format!(
+                "checksum mismatch: stored crc32c 0x00000000, computed {:#010x}",
+                crc(0, &[])
+            ),
+        })
+    );
+    assert_eq!(read_after(&wal, 0), numbered(&payloads[..2]));
+}
+
+/// A flipped byte in an earlier record's payload: open fails naming the
+/// file and offset, drops nothing, and keeps failing the same way.
+#[test]
+fn a_damaged_record_before_the_end_stops_the_open_with_file_and_offset() {
+    let dir = TempDir::new("mid-crc");
+    let payloads: Vec<Vec<u8>> = (1..=5).map(|i| payload(i * 5 + 40)).collect();
+    write_log(dir.path(), 1 << 20, &payloads);
+    let segment = only_segment(dir.path());
+    let mut bytes = fs::read(&segment).expect("read");
+    let at = offsets(&payloads);
+    bytes[at[1] + RECORD_HEADER + 3] ^= 0x01;
+    fs::write(&segment, &bytes).expect("write");
+    let mut flipped = payloads[1].clone();
+    flipped[3] ^= 0x01;
+
+    let expected = format!(
+        "{}: byte {}: checksum mismatch: stored crc32c {:#010x}, computed {:#010x} \
+         (a valid record, lsn 3, follows at byte {}: damage, not a torn write)",
+        segment.display(),
+        at[1],
+        crc(2, &payloads[1]),
+        crc(2, &flipped),
+        at[2]
+    );
+    assert_eq!(corrupt_error(dir.path(), 1 << 20), expected);
+    assert_eq!(
+        fs::read(&segment).expect("read"),
+        bytes,
+        "the file was changed"
+    );
+    assert_eq!(corrupt_error(dir.path(), 1 << 20), expected, "second try");
+}
+
+/// A damaged length field makes the record look like it runs past the end
+/// of the file: still damage, since valid records follow.
+#[test]
+fn a_damaged_length_in_the_last_segment_is_not_mistaken_for_a_torn_tail() {
+    let dir = TempDir::new("mid-len");
+    let payloads: Vec<Vec<u8>> = (1..=5).map(|i| vec![i as u8; 50]).collect();
+    write_log(dir.path(), 1 << 20, &payloads);
+    let segment = only_segment(dir.path());
+    let mut bytes = fs::read(&segment).expect("read");
+    let at = offsets(&payloads);
+    bytes[at[1] + 2] = 0x7f; // len 50 becomes 0x007f0032
+    fs::write(&segment, &bytes).expect("write");
+    assert_eq!(
+        corrupt_error(dir.path(), 1 << 20),
+        format!(
+            "{}: byte {}: incomplete record: it needs {} bytes but only {} remain in the file \
+             (a valid record, lsn 3, follows at byte {}: damage, not a torn write)",
+            segment.display(),
+            at[1],
+            RECORD_HEADER + 0x007f_0032,
+            bytes.len() - at[1],
+            at[2]
+        )
+    );
+    assert_eq!(fs::read(&segment).expect("read"), bytes);
+}
+
+/// Damage at the end of a segment that is not the last one is never a
+/// torn tail: nothing is written after a segment is finished and synced.
+#[test]
+fn damage_at_the_end_of_an_earlier_segment_stops_the_open() {
+    let dir = TempDir::new("mid-segment");
+    // 64-byte segments: each 40-byte record fills one.
+    let payloads: Vec<Vec<u8>> = (1..=4).map(|i| vec![i as u8; 40]).collect();
+    write_log(dir.path(), 64, &payloads);
+    let files = segment_files(dir.path());
+    assert_eq!(files.len(), 4, "{files:?}");
+    let mut bytes = fs::read(&files[1]).expect("read");
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x80;
+    fs::write(&files[1], &bytes).expect("write");
+    let mut flipped = payloads[1].clone();
+    flipped[39] ^= 0x80;
+    assert_eq!(
+        corrupt_error(dir.path(), 64),
+        format!(
+            "{}: byte 8: checksum mismatch: stored crc32c {:#010x}, computed {:#010x} \
+             (in a segment that is not the last one: damage, not a torn write)",
+            files[1].display(),
+            crc(2, &payloads[1]),
+            crc(2, &flipped)
+        )
+    );
+}
+
+/// A missing segment, records in the wrong order and a foreign file under
+/// a segment's name are each named precisely.
+#[test]
+fn gaps_misplaced_records_and_foreign_files_are_damage() {
+    // A segment removed from the middle.
+    let dir = TempDir::new("gap");
+    let payloads: Vec<Vec<u8>> = (1..=4).map(|i| vec![i as u8; 40]).collect();
+    write_log(dir.path(), 64, &payloads);
+    let files = segment_files(dir.path());
+    fs::remove_file(&files[1]).expect("remove");
+    assert_eq!(
+        corrupt_error(dir.path(), 64),
+        format!(
+            "{}: byte 0: the segment starts at lsn 3 but the previous segment ({}) ends at lsn 1",
+            files[2].display(),
+            files[0].display()
+        )
+    );
+
+    // Two records of the same size swapped: checksums hold, lsns do not.
+    let dir = TempDir::new("swap");
+    let payloads: Vec<Vec<u8>> = (1..=3).map(|i| vec![i as u8; 10]).collect();
+    write_log(dir.path(), 1 << 20, &payloads);
+    let segment = only_segment(dir.path());
+    let mut bytes = fs::read(&segment).expect("read");
+    let at = offsets(&payloads);
+    let size = RECORD_HEADER + 10;
+    let second: Vec<u8> = bytes[at[1]..at[1] + size].to_vec();
+    bytes.copy_within(at[2]..at[2] + size, at[1]);
+    bytes[at[2]..at[2] + size].copy_from_slice(&second);
+    fs::write(&segment, &bytes).expect("write");
+    assert_eq!(
+        corrupt_error(dir.path(), 1 << 20),
+        format!(
+            "{}: byte {}: the record has lsn 3, expected 2",
+            segment.display(),
+            at[1]
+        )
+    );
+
+    // Something else under a segment's name.
+    let dir = TempDir::new("foreign");
+    let stranger = dir.path().join("00000000000000000001.wal");
+    fs::write(&stranger, b"not a log at all").expect("write");
+    assert_eq!(
+        corrupt_error(dir.path(), 1 << 20),
+        format!(
+            "{}: byte 0: bad magic: not an allowance write-ahead log segment",
+            stranger.display()
+        )
+    );
+    assert_eq!(fs::read(&stranger).expect("read"), b"not a log at all");
+}
