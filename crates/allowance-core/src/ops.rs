@@ -126,6 +126,9 @@ fn check_scope(
     only_positive: bool,
     best: &mut Option<Candidate>,
 ) {
+    if st.fits_all(requested, only_positive) {
+        return;
+    }
     for li in 0..st.plan.limits().len() {
         let (dim, cap) = {
             let l = &st.plan.limits()[li];
@@ -265,12 +268,16 @@ fn derive(
     (a, unpriced)
 }
 
+#[inline]
 fn check_amounts(catalog: &Catalog, amounts: &Amounts, prefix: &str) -> Result<(), Invalid> {
     if let Some((d, a)) = amounts.first_too_large() {
         return Err(Invalid::new(
             dim_field(catalog, prefix, d),
             format!("{a} is above the largest amount, 2^53"),
         ));
+    }
+    if !amounts.has_custom() {
+        return Ok(());
     }
     for (d, _) in amounts.iter() {
         if d.index() >= usize::from(Dimension::BUILTIN_COUNT)
@@ -306,6 +313,7 @@ impl<'a> Locked<'a> {
     }
 
     /// The locked shard that owns `key` (no routing when only one is locked).
+    #[inline]
     fn scope_part(&mut self, key: &ScopeKey) -> &mut ShardState {
         if self.parts.len() == 1 {
             return &mut *self.parts[0].1;
@@ -315,6 +323,7 @@ impl<'a> Locked<'a> {
     }
 
     /// The tenant's shard (`home` is its position among the locked parts).
+    #[inline]
     fn home(&mut self) -> &mut ShardState {
         let h = self.home;
         &mut *self.parts[h].1
@@ -469,13 +478,11 @@ impl<'a> Locked<'a> {
                 )).into());
             }
         }
-        let tenant = req.scopes.tenant_name();
-
         // 2. Idempotency: a repeat answers the existing reservation.
         let idem = req
             .idempotency_key
             .as_ref()
-            .map(|k| idempotency_key(tenant, k));
+            .map(|k| idempotency_key(req.scopes.tenant_name(), k));
         if let Some(k) = &idem {
             let home = self.home();
             if let Some(rec) = home

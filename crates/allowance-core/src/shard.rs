@@ -86,10 +86,16 @@ impl ScopeState {
 
     /// Moves the scope to the catalog's current plan if it changed,
     /// keeping the history of every limit whose dimension and window stay.
+    #[inline]
     pub(crate) fn sync(&mut self, catalog: &Catalog, key: &ScopeKey) {
-        if self.epoch == catalog.epoch() {
-            return;
+        if self.epoch != catalog.epoch() {
+            self.resync(catalog, key);
         }
+    }
+
+    /// [`ScopeState::sync`] once the catalog changed (off the hot path).
+    #[cold]
+    fn resync(&mut self, catalog: &Catalog, key: &ScopeKey) {
         self.epoch = catalog.epoch();
         let plan = catalog.plan_for(key);
         if Arc::ptr_eq(plan, &self.plan) {
@@ -173,10 +179,45 @@ impl ScopeState {
         if now_ms <= from {
             return;
         }
-        for i in 0..self.plan.limits().len() {
-            self.state(i).advance(from, now_ms);
+        if self.wide_mask == 0 {
+            let ScopeState { words, plan, .. } = self;
+            for (limit, &at) in plan.limits().iter().zip(plan.offsets.iter()) {
+                window::advance_narrow(limit, &mut words[at as usize..], from, now_ms);
+            }
+        } else {
+            for i in 0..self.plan.limits().len() {
+                self.state(i).advance(from, now_ms);
+            }
         }
         self.words[0] = now_ms;
+    }
+
+    /// Whether `requested(dim)` more fits under every limit (the hot path of
+    /// a check: the refused case is worked out limit by limit by the
+    /// caller). With `only_positive`, limits asked for nothing pass.
+    #[inline]
+    pub(crate) fn fits_all(
+        &self,
+        requested: &impl Fn(Dimension) -> u64,
+        only_positive: bool,
+    ) -> bool {
+        let held = self.extra.as_ref().map(|e| &e.held);
+        for (limit, &at) in self.plan.limits().iter().zip(self.plan.offsets.iter()) {
+            let dim = limit.dimension();
+            let req = requested(dim);
+            if only_positive && req == 0 {
+                continue;
+            }
+            let held = if dim.is_implied() {
+                u64::from(self.held_count)
+            } else {
+                held.map_or(0, |h| h.get(dim))
+            };
+            if !window::fits(limit, &self.words[at as usize..], req, held) {
+                return false;
+            }
+        }
+        true
     }
 
     /// Held amount of `dim` on this scope.
@@ -213,14 +254,36 @@ impl ScopeState {
 
     /// Records a settle's charged amounts on every limit (`requests` = 1).
     pub(crate) fn record_all(&mut self, now_ms: u64, charged: &Amounts) {
-        for li in 0..self.plan.limits().len() {
-            let amount = match self.plan.limits()[li].dimension() {
-                Dimension::REQUESTS => 1,
-                Dimension::CONCURRENT => 0,
-                d => charged.get(d),
-            };
+        let amount_of = |dim: Dimension| match dim {
+            Dimension::REQUESTS => 1,
+            Dimension::CONCURRENT => 0,
+            d => charged.get(d),
+        };
+        // Limits that have or need wide slices take the slow path below.
+        let mut slow: u32 = self.wide_mask;
+        {
+            let ScopeState {
+                words,
+                plan,
+                wide_mask,
+                ..
+            } = self;
+            for (i, (limit, &at)) in plan.limits().iter().zip(plan.offsets.iter()).enumerate() {
+                let amount = amount_of(limit.dimension());
+                if amount == 0 || *wide_mask & (1 << i) != 0 {
+                    continue;
+                }
+                if !window::record_narrow(limit, &mut words[at as usize..], now_ms, amount) {
+                    slow |= 1 << i;
+                }
+            }
+        }
+        while slow != 0 {
+            let i = slow.trailing_zeros() as usize;
+            slow &= slow - 1;
+            let amount = amount_of(self.plan.limits()[i].dimension());
             if amount > 0 {
-                self.record(li, now_ms, amount);
+                self.record(i, now_ms, amount);
             }
         }
     }

@@ -140,6 +140,7 @@ impl Amounts {
     }
 
     /// Whether `dim` has a non-zero amount.
+    #[inline]
     pub fn contains(&self, dim: Dimension) -> bool {
         self.get(dim) != 0
     }
@@ -165,6 +166,7 @@ impl Amounts {
     }
 
     /// Adds `b` to every amount, saturating.
+    #[inline]
     pub fn add(&mut self, b: &Amounts) {
         for (x, y) in self.builtin.iter_mut().zip(b.builtin) {
             *x = x.saturating_add(y);
@@ -176,6 +178,7 @@ impl Amounts {
     }
 
     /// Subtracts `b` from every amount, saturating at 0.
+    #[inline]
     pub fn sub(&mut self, b: &Amounts) {
         for (x, y) in self.builtin.iter_mut().zip(b.builtin) {
             *x = x.saturating_sub(y);
@@ -210,13 +213,25 @@ impl Amounts {
     }
 
     /// Whether every amount is zero.
+    #[inline]
     pub fn is_empty(&self) -> bool {
         self.builtin == [0; 4] && self.custom.is_empty()
     }
 
     /// The first amount above [`MAX_AMOUNT`], if any.
+    #[inline]
     pub fn first_too_large(&self) -> Option<(Dimension, u64)> {
+        // The common case in a few compares: built-ins only, all in range.
+        if self.custom.is_empty() && self.builtin.iter().all(|&a| a <= MAX_AMOUNT) {
+            return None;
+        }
         self.iter().find(|&(_, a)| a > MAX_AMOUNT)
+    }
+
+    /// Whether some amount is of a custom dimension.
+    #[inline]
+    pub(crate) fn has_custom(&self) -> bool {
+        !self.custom.is_empty()
     }
 }
 
