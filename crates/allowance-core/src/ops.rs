@@ -18,7 +18,7 @@ use crate::reservation::{
 };
 use crate::scope::{ScopeKey, ScopeSet};
 use crate::shard::{
-    GC_PER_OPERATION, Hold, NO_SLOT, Record, ScopeState, ShardState, idempotency_key,
+    GC_PER_OPERATION, Hold, HoldScope, NO_SLOT, Record, ScopeState, ShardState, idempotency_key,
 };
 use crate::units::{Amounts, Dimension, MAX_AMOUNT, Timestamp};
 
@@ -294,9 +294,9 @@ fn check_amounts(catalog: &Catalog, amounts: &Amounts, prefix: &str) -> Result<(
 
 /// The slot of reservation `id`'s hold in one locked shard: its home hold,
 /// or a foreign hold for the shared scopes that shard owns.
-fn hold_slot(part: &ShardState, is_home: bool, id: ReservationId) -> u32 {
+fn hold_slot_in(part: &ShardState, is_home: bool, id: ReservationId) -> u32 {
     if is_home {
-        part.records.get(&id).map_or(NO_SLOT, |r| r.hold_slot)
+        part.records.get(id).map_or(NO_SLOT, |r| r.hold_slot)
     } else {
         part.foreign.get(&id).copied().unwrap_or(NO_SLOT)
     }
@@ -488,7 +488,7 @@ impl<'a> Locked<'a> {
             if let Some(rec) = home
                 .idempotency
                 .get(k)
-                .and_then(|rid| home.records.get(rid))
+                .and_then(|rid| home.records.get(*rid))
             {
                 let key_expired = rec.res.ended_at.is_some_and(|e| {
                     now >= e
@@ -497,7 +497,7 @@ impl<'a> Locked<'a> {
                 });
                 if !key_expired {
                     let same = rec.res.scopes.same_scopes(&req.scopes)
-                        && rec.sent == req.amounts
+                        && rec.sent.as_deref() == Some(&req.amounts)
                         && rec.res.model == req.model;
                     if !same {
                         return Err(ReserveError::IdempotencyConflict {
@@ -516,7 +516,7 @@ impl<'a> Locked<'a> {
                 }
             }
         }
-        if self.home().records.contains_key(&id) {
+        if self.home().records.contains(id) {
             return Err(ReserveError::DuplicateId);
         }
 
@@ -559,20 +559,19 @@ impl<'a> Locked<'a> {
         let single = self.parts.len() == 1;
         for pi in 0..self.parts.len() {
             let shard = self.parts[pi].0;
-            let hold_slots: SmallVec<[u32; 4]> = req
+            let hold_scopes: SmallVec<[HoldScope; 4]> = req
                 .scopes
                 .as_slice()
                 .iter()
                 .enumerate()
-                .map(|(i, k)| {
-                    if single || router.of_scope(k) == shard {
-                        slots[i]
-                    } else {
-                        NO_SLOT
-                    }
+                .filter(|&(_, k)| single || router.of_scope(k) == shard)
+                .map(|(i, _)| HoldScope {
+                    index: i as u8,
+                    slot: slots[i],
+                    pos: NO_SLOT,
                 })
                 .collect();
-            if hold_slots.iter().all(|&s| s == NO_SLOT) {
+            if hold_scopes.is_empty() {
                 continue;
             }
             let foreign = shard != home_shard;
@@ -581,12 +580,10 @@ impl<'a> Locked<'a> {
             let slot = part.add_hold(Hold {
                 owner: id,
                 foreign,
-                scopes: req.scopes.clone(),
-                slots: hold_slots,
+                scopes: hold_scopes,
                 amounts: held.clone(),
                 expires_ms,
                 heap_pos: NO_SLOT,
-                holder_pos: SmallVec::new(),
             });
             if foreign {
                 part.foreign.insert(id, slot);
@@ -599,32 +596,30 @@ impl<'a> Locked<'a> {
         } else {
             Vec::new()
         };
-        let res = Reservation {
-            id,
-            status: Status::Held,
-            scopes: req.scopes.clone(),
-            model: req.model.clone(),
-            labels: req.labels.clone(),
-            held: held.clone(),
-            created_at: Timestamp::from_millis(now),
-            expires_at: Timestamp::from_millis(expires_ms),
-            ended_at: None,
-            charged: None,
-            late: false,
-            overrun,
-            idempotency_key: req.idempotency_key.clone(),
-        };
         let home = self.home();
-        home.records.insert(
-            id,
-            Box::new(Record {
-                res,
-                sent: req.amounts.clone(),
-                hold_slot: home_slot,
-                multi_shard,
-                drop_at: 0,
-            }),
-        );
+        let sent = idem.is_some().then(|| Box::new(req.amounts.clone()));
+        // Built inside the slab's slot: a record is a few hundred bytes.
+        home.records.insert(id, || Record {
+            res: Reservation {
+                id,
+                status: Status::Held,
+                scopes: req.scopes.clone(),
+                model: req.model.clone(),
+                labels: req.labels.clone(),
+                held: held.clone(),
+                created_at: Timestamp::from_millis(now),
+                expires_at: Timestamp::from_millis(expires_ms),
+                ended_at: None,
+                charged: None,
+                late: false,
+                overrun,
+                idempotency_key: req.idempotency_key.clone(),
+            },
+            sent,
+            hold_slot: home_slot,
+            multi_shard,
+            drop_at: 0,
+        });
         if let Some(k) = idem {
             home.idempotency.insert(k, id);
         }
@@ -639,16 +634,14 @@ impl<'a> Locked<'a> {
         })
     }
 
-    /// Releases every hold of a HELD reservation, in every locked shard.
-    fn release_all(&mut self, id: ReservationId, now: u64) {
+    /// Releases every hold of a HELD reservation (its record at slab index
+    /// `ri` in the home shard), in every locked shard.
+    fn release_all_at(&mut self, id: ReservationId, ri: u32, now: u64) {
         let home = self.home;
         for pi in 0..self.parts.len() {
             let part = &mut *self.parts[pi].1;
             if pi == home {
-                let Some(rec) = part.records.get_mut(&id) else {
-                    continue;
-                };
-                let slot = std::mem::replace(&mut rec.hold_slot, NO_SLOT);
+                let slot = std::mem::replace(&mut part.records.at_mut(ri).hold_slot, NO_SLOT);
                 if slot != NO_SLOT {
                     part.release_hold(slot, now);
                 }
@@ -658,28 +651,29 @@ impl<'a> Locked<'a> {
         }
     }
 
+    /// The home shard's record at a slab index an operation answered.
+    #[inline]
+    pub(crate) fn res_at(&self, i: u32) -> &Reservation {
+        &self.parts[self.home].1.records.at(i).res
+    }
+
+    /// Settles; answers the slab index of the reservation's record in the
+    /// home shard (read it with [`Locked::res_at`]).
     pub(crate) fn settle(
         &mut self,
         now: Timestamp,
         id: ReservationId,
         usage: &Usage,
-    ) -> Result<&Reservation, SettleError> {
+    ) -> Result<u32, SettleError> {
         let now = self.observe(now);
         let catalog = self.catalog;
-        let (status, held, model, overrun, scopes) = {
-            let rec = self.home().records.get(&id).ok_or(SettleError::NotFound)?;
-            (
-                rec.res.status,
-                rec.res.held.clone(),
-                rec.res.model.clone(),
-                rec.res.overrun,
-                // A HELD reservation's holds know their scopes' slots; only a
-                // late settle needs the names (no reference count otherwise).
-                (rec.res.status == Status::Expired).then(|| rec.res.scopes.clone()),
-            )
+        let ri = self.home().records.find(id).ok_or(SettleError::NotFound)?;
+        let (status, overrun, hold_slot) = {
+            let rec = self.home().records.at(ri);
+            (rec.res.status, rec.res.overrun, rec.hold_slot)
         };
         match status {
-            Status::Settled => return Ok(&self.home().records[&id].res),
+            Status::Settled => return Ok(ri),
             Status::Refunded => return Err(SettleError::Conflict { status }),
             Status::Held | Status::Expired => {}
         }
@@ -716,16 +710,17 @@ impl<'a> Locked<'a> {
 
         // 2. What to record: the policy per dimension, tokens derived again,
         //    then tool charges, never capped.
-        let (actual, _) = derive(
-            catalog,
-            &usage.amounts,
-            model.as_deref(),
-            usage.cached_input_tokens,
-        );
-        let mut charged: Amounts = actual
-            .iter()
-            .map(|(d, a)| (d, overrun.charge(held.get(d), a)))
-            .collect();
+        let mut charged = {
+            let res = &self.home().records.at(ri).res;
+            let (actual, _) = derive(
+                catalog,
+                &usage.amounts,
+                res.model.as_deref(),
+                usage.cached_input_tokens,
+            );
+            let held = &res.held;
+            actual.map_with(held, |a, h| overrun.charge(h, a))
+        };
         if !usage.amounts.contains(Dimension::TOKENS) {
             let t = charged
                 .get(Dimension::INPUT_TOKENS)
@@ -743,15 +738,23 @@ impl<'a> Locked<'a> {
         // 3. Nothing can fail past this point.
         if status == Status::Held {
             // The holds know their scopes' slots: record there, then release.
+            let home = self.home;
             for pi in 0..self.parts.len() {
                 let part = &mut *self.parts[pi].1;
-                let slot = hold_slot(part, pi == self.home, id);
+                let slot = if pi == home {
+                    hold_slot
+                } else {
+                    hold_slot_in(part, false, id)
+                };
                 if slot != NO_SLOT {
                     part.record_on_hold(catalog, slot, now, &charged);
                 }
             }
-            self.release_all(id, now);
-        } else if let Some(scopes) = &scopes {
+            self.release_all_at(id, ri, now);
+        } else {
+            // A late settle: the holds are gone, so the scopes are found by
+            // name (the only settle that clones the scope set).
+            let scopes = self.home().records.at(ri).res.scopes.clone();
             for key in scopes.as_slice() {
                 self.scope_part(key)
                     .scope_mut(catalog, key, now)
@@ -759,51 +762,44 @@ impl<'a> Locked<'a> {
             }
         }
         let home = self.home();
-        let rec = home.records.get_mut(&id).expect("looked up above");
+        let rec = home.records.at_mut(ri);
         rec.res.status = Status::Settled;
         rec.res.late = status == Status::Expired;
         rec.res.ended_at = Some(Timestamp::from_millis(now));
         rec.res.charged = Some(charged);
-        home.schedule_drop(catalog, id, now);
-        Ok(&self.home().records[&id].res)
+        home.schedule_drop_at(catalog, ri, now);
+        Ok(ri)
     }
 
-    pub(crate) fn refund(
-        &mut self,
-        now: Timestamp,
-        id: ReservationId,
-    ) -> Result<&Reservation, RefundError> {
+    /// Refunds; answers the slab index of the record (see [`Locked::settle`]).
+    pub(crate) fn refund(&mut self, now: Timestamp, id: ReservationId) -> Result<u32, RefundError> {
         let now = self.observe(now);
-        let status = self
-            .home()
-            .records
-            .get(&id)
-            .ok_or(RefundError::NotFound)?
-            .res
-            .status;
+        let ri = self.home().records.find(id).ok_or(RefundError::NotFound)?;
+        let status = self.home().records.at(ri).res.status;
         match status {
             Status::Settled => return Err(RefundError::Conflict { status }),
             Status::Refunded | Status::Expired => {}
             Status::Held => {
-                self.release_all(id, now);
+                self.release_all_at(id, ri, now);
                 let catalog = self.catalog;
                 let home = self.home();
-                let rec = home.records.get_mut(&id).expect("looked up above");
+                let rec = home.records.at_mut(ri);
                 rec.res.status = Status::Refunded;
                 rec.res.ended_at = Some(Timestamp::from_millis(now));
-                home.schedule_drop(catalog, id, now);
+                home.schedule_drop_at(catalog, ri, now);
             }
         }
-        Ok(&self.home().records[&id].res)
+        Ok(ri)
     }
 
+    /// Extends; answers the slab index of the record (see [`Locked::settle`]).
     pub(crate) fn extend(
         &mut self,
         now: Timestamp,
         id: ReservationId,
         amounts: Option<&Amounts>,
         ttl_ms: Option<u64>,
-    ) -> Result<&Reservation, ExtendError> {
+    ) -> Result<u32, ExtendError> {
         let now = self.observe(now);
         let catalog = self.catalog;
         let settings = catalog.settings();
@@ -822,8 +818,9 @@ impl<'a> Locked<'a> {
         if let Some(a) = amounts {
             check_amounts(catalog, a, "amounts")?;
         }
+        let ri = self.home().records.find(id).ok_or(ExtendError::NotFound)?;
         let (status, model, scopes) = {
-            let rec = self.home().records.get(&id).ok_or(ExtendError::NotFound)?;
+            let rec = self.home().records.at(ri);
             (
                 rec.res.status,
                 rec.res.model.clone(),
@@ -850,7 +847,7 @@ impl<'a> Locked<'a> {
         let home = self.home;
         for pi in 0..self.parts.len() {
             let part = &mut *self.parts[pi].1;
-            let slot = hold_slot(part, pi == home, id);
+            let slot = hold_slot_in(part, pi == home, id);
             if slot == NO_SLOT {
                 continue;
             }
@@ -861,17 +858,19 @@ impl<'a> Locked<'a> {
                 part.move_hold(slot, e);
             }
         }
-        let rec = self.home().records.get_mut(&id).expect("looked up above");
+        let rec = self.home().records.at_mut(ri);
         rec.res.held.add(&delta);
         if let Some(e) = new_expiry {
             rec.res.expires_at = Timestamp::from_millis(e);
         }
-        Ok(&self.home().records[&id].res)
+        Ok(ri)
     }
 
-    pub(crate) fn get(&mut self, now: Timestamp, id: ReservationId) -> Option<&Reservation> {
+    /// A reservation as of `now` (expiry observed): the slab index of its
+    /// record (see [`Locked::settle`]).
+    pub(crate) fn get(&mut self, now: Timestamp, id: ReservationId) -> Option<u32> {
         self.observe(now);
-        self.home().records.get(&id).map(|r| &r.res)
+        self.home().records.find(id)
     }
 
     pub(crate) fn status(&mut self, now: Timestamp, key: &ScopeKey) -> ScopeStatus {
@@ -880,16 +879,21 @@ impl<'a> Locked<'a> {
         let part = self.scope_part(key);
         // A scope never used answers its plan with zero use, and is not created.
         let mut fresh;
-        let slot = part.index.get(key).copied();
+        let slot = part.slot_of(key);
         let st = match slot {
             Some(slot) => {
                 let st = part.scope_at(slot);
-                st.sync(catalog, key);
+                st.sync(catalog);
                 st.advance(now);
                 st
             }
             None => {
-                fresh = ScopeState::new(catalog.plan_for(key).clone(), catalog.epoch(), now);
+                fresh = ScopeState::new(
+                    key.clone(),
+                    catalog.plan_for(key).clone(),
+                    catalog.epoch(),
+                    now,
+                );
                 &mut fresh
             }
         };

@@ -163,7 +163,7 @@ impl SharedLedger {
         let home = self.router.of_id(id);
         let scopes = {
             let mut g = self.shards[home].0.lock();
-            match g.st.records.get(&id) {
+            match g.st.records.get(id) {
                 Some(r) if r.multi_shard => r.res.scopes.clone(),
                 // The common case: everything lives in the home shard, already locked.
                 _ => {
@@ -210,7 +210,9 @@ impl SharedLedger {
         id: ReservationId,
         usage: &Usage,
     ) -> Result<Outcome, SettleError> {
-        self.with_reservation(id, |l| l.settle(now, id, usage).map(Outcome::from))
+        self.with_reservation(id, |l| {
+            l.settle(now, id, usage).map(|i| Outcome::from(l.res_at(i)))
+        })
     }
 
     /// Settles, answering the whole reservation.
@@ -220,12 +222,16 @@ impl SharedLedger {
         id: ReservationId,
         usage: &Usage,
     ) -> Result<Reservation, SettleError> {
-        self.with_reservation(id, |l| l.settle(now, id, usage).cloned())
+        self.with_reservation(id, |l| {
+            l.settle(now, id, usage).map(|i| l.res_at(i).clone())
+        })
     }
 
     /// Refunds (see [`Ledger::refund`](crate::Ledger::refund)).
     pub fn refund(&self, now: Timestamp, id: ReservationId) -> Result<Outcome, RefundError> {
-        self.with_reservation(id, |l| l.refund(now, id).map(Outcome::from))
+        self.with_reservation(id, |l| {
+            l.refund(now, id).map(|i| Outcome::from(l.res_at(i)))
+        })
     }
 
     /// Refunds, answering the whole reservation.
@@ -234,7 +240,7 @@ impl SharedLedger {
         now: Timestamp,
         id: ReservationId,
     ) -> Result<Reservation, RefundError> {
-        self.with_reservation(id, |l| l.refund(now, id).cloned())
+        self.with_reservation(id, |l| l.refund(now, id).map(|i| l.res_at(i).clone()))
     }
 
     /// Extends (see [`Ledger::extend`](crate::Ledger::extend)).
@@ -246,7 +252,8 @@ impl SharedLedger {
         ttl_ms: Option<u64>,
     ) -> Result<Outcome, ExtendError> {
         self.with_reservation(id, |l| {
-            l.extend(now, id, amounts, ttl_ms).map(Outcome::from)
+            l.extend(now, id, amounts, ttl_ms)
+                .map(|i| Outcome::from(l.res_at(i)))
         })
     }
 
@@ -258,12 +265,15 @@ impl SharedLedger {
         amounts: Option<&Amounts>,
         ttl_ms: Option<u64>,
     ) -> Result<Reservation, ExtendError> {
-        self.with_reservation(id, |l| l.extend(now, id, amounts, ttl_ms).cloned())
+        self.with_reservation(id, |l| {
+            l.extend(now, id, amounts, ttl_ms)
+                .map(|i| l.res_at(i).clone())
+        })
     }
 
     /// A reservation as of `now` (expiry observed).
     pub fn get(&self, now: Timestamp, id: ReservationId) -> Option<Reservation> {
-        self.with_reservation(id, |l| l.get(now, id).cloned())
+        self.with_reservation(id, |l| l.get(now, id).map(|i| l.res_at(i).clone()))
     }
 
     /// A scope's limits as of `now`.

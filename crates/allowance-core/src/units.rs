@@ -189,6 +189,27 @@ impl Amounts {
         }
     }
 
+    /// `f(amount, other's amount)` for every non-zero amount of `self`;
+    /// a zero result drops the dimension.
+    #[inline]
+    pub(crate) fn map_with(&self, other: &Amounts, mut f: impl FnMut(u64, u64) -> u64) -> Amounts {
+        let mut out = Amounts::new();
+        for ((o, &a), &b) in out
+            .builtin
+            .iter_mut()
+            .zip(&self.builtin)
+            .zip(&other.builtin)
+        {
+            if a != 0 {
+                *o = f(a, b);
+            }
+        }
+        for &(d, a) in &self.custom {
+            out.set(d, f(a, other.get(d)));
+        }
+        out
+    }
+
     /// Builder form of [`Amounts::set`].
     ///
     /// ```
@@ -226,6 +247,15 @@ impl Amounts {
             return None;
         }
         self.iter().find(|&(_, a)| a > MAX_AMOUNT)
+    }
+
+    /// Every built-in dimension's amount by index, given the implied
+    /// `requests` and `concurrent` (a hot loop reads a limit's amount with
+    /// one index instead of a match).
+    #[inline]
+    pub(crate) fn builtin_row(&self, requests: u64, concurrent: u64) -> [u64; 6] {
+        let [a, b, c, d] = self.builtin;
+        [requests, concurrent, a, b, c, d]
     }
 
     /// Whether some amount is of a custom dimension.
