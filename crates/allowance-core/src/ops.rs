@@ -7,7 +7,9 @@
 
 use smallvec::SmallVec;
 
-use crate::catalog::{Catalog, MAX_IDEMPOTENCY_KEY_LEN, MAX_LABEL_KEY_LEN, MAX_LABEL_VALUE_LEN};
+use crate::catalog::{
+    Catalog, MAX_IDEMPOTENCY_KEY_LEN, MAX_LABEL_KEY_LEN, MAX_LABEL_VALUE_LEN, MAX_SCOPES_LIMIT,
+};
 use crate::error::{
     AdminError, Denial, DenialKind, ExtendError, Invalid, RefundError, ReserveError, SettleError,
 };
@@ -115,9 +117,13 @@ fn sat_i64(v: i128) -> i64 {
     v.clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64
 }
 
-/// Checks every limit of one scope against `requested(dim)`, keeping the
-/// binding denial in `best`. With `only_positive`, limits asked for nothing
-/// are skipped (an extend raising one dimension is not refused by another).
+/// Works out, limit by limit, why one scope refuses `requested(dim)`
+/// (its windows advanced to `now`; the fast path found some limit that does
+/// not fit), keeping the binding denial in `best`. With `only_positive`,
+/// limits asked for nothing are skipped (an extend raising one dimension is
+/// not refused by another).
+#[cold]
+#[inline(never)]
 fn check_scope(
     st: &mut ScopeState,
     scope: usize,
@@ -126,9 +132,6 @@ fn check_scope(
     only_positive: bool,
     best: &mut Option<Candidate>,
 ) {
-    if st.fits_all(requested, only_positive) {
-        return;
-    }
     for li in 0..st.plan.limits().len() {
         let (dim, cap) = {
             let l = &st.plan.limits()[li];
@@ -239,6 +242,7 @@ fn dim_field(catalog: &Catalog, prefix: &str, dim: Dimension) -> String {
 
 /// `tokens` (input + output) and `cost_micros` (from the model's prices)
 /// where the amounts do not give them.
+#[inline]
 fn derive(
     catalog: &Catalog,
     amounts: &Amounts,
@@ -254,30 +258,52 @@ fn derive(
         a.set(Dimension::TOKENS, input.saturating_add(output));
     }
     let mut unpriced = false;
-    if !a.contains(Dimension::COST_MICROS) {
-        if let Some(m) = model {
-            match catalog.model(m) {
-                Some(price) => a.set(
-                    Dimension::COST_MICROS,
-                    price.cost_micros(input, cached_input, output),
-                ),
-                None => unpriced = true,
-            }
+    if let Some(m) = model {
+        if !a.contains(Dimension::COST_MICROS) {
+            unpriced = !price(catalog, &mut a, m, (input, cached_input, output));
         }
     }
     (a, unpriced)
 }
 
+/// Sets `cost_micros` from the model's prices; `false` when the model has none.
+#[inline(never)]
+fn price(
+    catalog: &Catalog,
+    a: &mut Amounts,
+    model: &str,
+    (input, cached, output): (u64, u64, u64),
+) -> bool {
+    match catalog.model(model) {
+        Some(price) => {
+            a.set(
+                Dimension::COST_MICROS,
+                price.cost_micros(input, cached, output),
+            );
+            true
+        }
+        None => false,
+    }
+}
+
+/// Every amount at most 2^53, every dimension known: the common case (no
+/// custom dimension, all in range) in a few compares, inline.
 #[inline]
 fn check_amounts(catalog: &Catalog, amounts: &Amounts, prefix: &str) -> Result<(), Invalid> {
+    if amounts.builtin_only_in_range() {
+        return Ok(());
+    }
+    check_amounts_slow(catalog, amounts, prefix)
+}
+
+#[cold]
+#[inline(never)]
+fn check_amounts_slow(catalog: &Catalog, amounts: &Amounts, prefix: &str) -> Result<(), Invalid> {
     if let Some((d, a)) = amounts.first_too_large() {
         return Err(Invalid::new(
             dim_field(catalog, prefix, d),
             format!("{a} is above the largest amount, 2^53"),
         ));
-    }
-    if !amounts.has_custom() {
-        return Ok(());
     }
     for (d, _) in amounts.iter() {
         if d.index() >= usize::from(Dimension::BUILTIN_COUNT)
@@ -313,7 +339,7 @@ impl<'a> Locked<'a> {
     }
 
     /// The locked shard that owns `key` (no routing when only one is locked).
-    #[inline]
+    #[inline(always)]
     fn scope_part(&mut self, key: &ScopeKey) -> &mut ShardState {
         if self.parts.len() == 1 {
             return &mut *self.parts[0].1;
@@ -323,7 +349,7 @@ impl<'a> Locked<'a> {
     }
 
     /// The tenant's shard (`home` is its position among the locked parts).
-    #[inline]
+    #[inline(always)]
     fn home(&mut self) -> &mut ShardState {
         let h = self.home;
         &mut *self.parts[h].1
@@ -364,29 +390,33 @@ impl<'a> Locked<'a> {
     }
 
     /// Checks `requested` against every scope; the binding denial if any.
-    /// `slots` receives each scope's slot in the shard that owns it.
+    /// `slots` receives each scope's slot in the shard that owns it (a
+    /// reservation has at most [`MAX_SCOPES_LIMIT`] scopes: checked at
+    /// reserve against `max_scopes`, which is bounded by it).
     fn check(
         &mut self,
         scopes: &ScopeSet,
         now: u64,
         requested: &impl Fn(Dimension) -> u64,
         only_positive: bool,
-        slots: &mut SmallVec<[u32; 8]>,
+        slots: &mut [u32; MAX_SCOPES_LIMIT],
     ) -> Option<Box<Denial>> {
         let catalog = self.catalog;
         let mut best: Option<Candidate> = None;
-        for (i, key) in scopes.as_slice().iter().enumerate() {
+        for ((i, key), out) in scopes.as_slice().iter().enumerate().zip(slots.iter_mut()) {
             let part = self.scope_part(key);
-            let slot = part.scope_slot(catalog, key, now);
-            slots.push(slot);
-            check_scope(
-                part.scope_at(slot),
-                i,
-                now,
-                requested,
-                only_positive,
-                &mut best,
-            );
+            let (slot, fits) = part.scope_check(catalog, key, now, requested, only_positive);
+            *out = slot;
+            if !fits {
+                check_scope(
+                    part.scope_at(slot),
+                    i,
+                    now,
+                    requested,
+                    only_positive,
+                    &mut best,
+                );
+            }
         }
         let c = best?;
         let key = &scopes.as_slice()[c.scope];
@@ -522,7 +552,7 @@ impl<'a> Locked<'a> {
 
         // 3. Every limit of every scope.
         let requested = |d: Dimension| if d.is_implied() { 1 } else { held.get(d) };
-        let mut slots = SmallVec::new();
+        let mut slots = [NO_SLOT; MAX_SCOPES_LIMIT];
         if let Some(denial) = self.check(&req.scopes, now, &requested, false, &mut slots) {
             return Err(ReserveError::Denied(denial));
         }
@@ -563,11 +593,12 @@ impl<'a> Locked<'a> {
                 .scopes
                 .as_slice()
                 .iter()
+                .zip(slots)
                 .enumerate()
-                .filter(|&(_, k)| single || router.of_scope(k) == shard)
-                .map(|(i, _)| HoldScope {
+                .filter(|&(_, (k, _))| single || router.of_scope(k) == shard)
+                .map(|(i, (_, slot))| HoldScope {
                     index: i as u8,
-                    slot: slots[i],
+                    slot,
                     pos: NO_SLOT,
                 })
                 .collect();
@@ -737,20 +768,21 @@ impl<'a> Locked<'a> {
 
         // 3. Nothing can fail past this point.
         if status == Status::Held {
-            // The holds know their scopes' slots: record there, then release.
+            // The holds know their scopes' slots: record there and release,
+            // in one pass over each hold's scopes.
             let home = self.home;
             for pi in 0..self.parts.len() {
                 let part = &mut *self.parts[pi].1;
                 let slot = if pi == home {
+                    part.records.at_mut(ri).hold_slot = NO_SLOT;
                     hold_slot
                 } else {
-                    hold_slot_in(part, false, id)
+                    part.foreign.remove(&id).unwrap_or(NO_SLOT)
                 };
                 if slot != NO_SLOT {
-                    part.record_on_hold(catalog, slot, now, &charged);
+                    part.release_hold_recording(slot, now, Some((catalog, &charged)));
                 }
             }
-            self.release_all_at(id, ri, now);
         } else {
             // A late settle: the holds are gone, so the scopes are found by
             // name (the only settle that clones the scope set).
@@ -836,7 +868,7 @@ impl<'a> Locked<'a> {
         };
         if !delta.is_empty() {
             let requested = |d: Dimension| if d.is_implied() { 0 } else { delta.get(d) };
-            let mut slots = SmallVec::new();
+            let mut slots = [NO_SLOT; MAX_SCOPES_LIMIT];
             if let Some(denial) = self.check(&scopes, now, &requested, true, &mut slots) {
                 return Err(ExtendError::Denied(denial));
             }

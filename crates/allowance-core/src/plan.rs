@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use crate::error::Invalid;
-use crate::limit::Limit;
+use crate::limit::{Fast, Limit};
 use crate::units::Dimension;
 use crate::window;
 
@@ -58,6 +58,17 @@ impl OverrunPolicy {
     }
 }
 
+/// What a scope's hot loops read of one limit, packed together (an array
+/// of these is half the size of the limits, with the offsets inline).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Hot {
+    pub(crate) fast: Fast,
+    pub(crate) capacity: u64,
+    /// Where the limit's state starts in a scope's state words.
+    pub(crate) at: u32,
+    pub(crate) dim: Dimension,
+}
+
 /// A named list of limits: a tier (`free`, `plus`, `enterprise`), or the
 /// limits given to one scope by an override.
 #[derive(Debug)]
@@ -68,6 +79,8 @@ pub struct Plan {
     queue_weight: u32,
     /// Where each limit's state starts in a scope's state words.
     pub(crate) offsets: Box<[u32]>,
+    /// What the hot loops read of each limit, in plan order, in one array.
+    pub(crate) hot: Box<[Hot]>,
     /// Words of state a scope on this plan needs (a timestamp first).
     pub(crate) words: u32,
 }
@@ -132,7 +145,18 @@ impl Plan {
             offsets.push(words);
             words += window::words_for(l.window()) as u32;
         }
+        let hot = limits
+            .iter()
+            .zip(&offsets)
+            .map(|(l, &at)| Hot {
+                fast: l.fast,
+                capacity: l.capacity(),
+                at,
+                dim: l.dimension(),
+            })
+            .collect();
         Ok(Arc::new(Plan {
+            hot,
             name: name.into(),
             limits: limits.into(),
             overrun,

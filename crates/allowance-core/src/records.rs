@@ -2,12 +2,15 @@
 //! retention passes.
 //!
 //! Records sit in a slab (a vector with a free list) and a hash table maps
-//! an id to its slab index: the table's entries are 4-byte indices, so the
-//! index of a few hundred thousand records stays in the CPU's caches, and
-//! the record itself is read only when the id's hash lands on it. A record
-//! freed when a retention passes is the very slot the next reserve reuses
-//! (the free list is LIFO), so the new record is written to warm memory, and
-//! no reserve allocates once the slab has grown to the steady state.
+//! an id to its slab index. A table entry is the index and 32 bits of the
+//! id's hash (8 bytes), so the table of a few hundred thousand records
+//! stays in the CPU's caches, a lookup reads a record only when those 32
+//! bits match, and the table grows or cleans up its tombstones without
+//! reading any record (a rehash that read every cold record would cost a
+//! cache miss per record). A record freed when a retention passes is the
+//! very slot the next reserve reuses (the free list is LIFO), so the new
+//! record is written to warm memory, and no reserve allocates once the slab
+//! has grown to the steady state.
 //!
 //! The slab is compacted when fewer than a quarter of its slots are live, so
 //! its memory follows the number of remembered records down after a burst.
@@ -25,31 +28,44 @@ use crate::shard::Record;
 /// Slabs at most this long are never compacted (not worth the pass).
 const COMPACT_MIN_SLOTS: usize = 1024;
 
+/// A table entry: the record's slab index and 32 bits of its id's hash.
+type Entry = (u32, u32);
+
+/// The table's 64-bit hash of an entry, from the 32 bits it keeps: spread
+/// by an odd multiplier, so the low bits (the bucket) and the top seven
+/// (hashbrown's tag) both vary.
+#[inline]
+fn table_hash(h32: u32) -> u64 {
+    u64::from(h32).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
 /// The records of one shard, by id.
 #[derive(Debug, Default)]
 pub(crate) struct Records {
     hasher: RandomState,
-    table: HashTable<u32>,
+    table: HashTable<Entry>,
     slab: Vec<Option<Record>>,
     free: Vec<u32>,
 }
 
 impl Records {
+    /// 32 bits of the id's (randomly seeded) hash.
     #[inline]
-    fn hash(&self, id: ReservationId) -> u64 {
-        self.hasher.hash_one(id.0)
+    fn h32(&self, id: ReservationId) -> u32 {
+        let h = self.hasher.hash_one(id.0);
+        (h ^ (h >> 32)) as u32
     }
 
     /// The slab index of `id`'s record.
     #[inline]
     pub(crate) fn find(&self, id: ReservationId) -> Option<u32> {
+        let h32 = self.h32(id);
         let slab = &self.slab;
         self.table
-            .find(
-                self.hash(id),
-                |&i| matches!(&slab[i as usize], Some(r) if r.res.id == id),
-            )
-            .copied()
+            .find(table_hash(h32), |&(i, h)| {
+                h == h32 && matches!(&slab[i as usize], Some(r) if r.res.id == id)
+            })
+            .map(|&(i, _)| i)
     }
 
     /// `id`'s record.
@@ -90,7 +106,7 @@ impl Records {
     /// caller checked); returns its slab index.
     #[inline]
     pub(crate) fn insert(&mut self, id: ReservationId, make: impl FnOnce() -> Record) -> u32 {
-        let hash = self.hash(id);
+        let h32 = self.h32(id);
         let i = match self.free.pop() {
             Some(i) => {
                 self.slab[i as usize] = Some(make());
@@ -102,16 +118,8 @@ impl Records {
             }
         };
         debug_assert_eq!(self.slab[i as usize].as_ref().map(|r| r.res.id), Some(id));
-        let Records {
-            hasher,
-            table,
-            slab,
-            ..
-        } = self;
-        table.insert_unique(hash, i, |&j| {
-            let id = slab[j as usize].as_ref().map_or(0, |r| r.res.id.0);
-            hasher.hash_one(id)
-        });
+        self.table
+            .insert_unique(table_hash(h32), (i, h32), |&(_, h)| table_hash(h));
         i
     }
 
@@ -124,17 +132,16 @@ impl Records {
         keep: impl FnOnce(&Record) -> bool,
         on_remove: impl FnOnce(&Record),
     ) {
-        let hash = self.hash(id);
+        let h32 = self.h32(id);
         let Records {
             table, slab, free, ..
         } = self;
-        let Ok(entry) = table.find_entry(
-            hash,
-            |&i| matches!(&slab[i as usize], Some(r) if r.res.id == id),
-        ) else {
+        let Ok(entry) = table.find_entry(table_hash(h32), |&(i, h)| {
+            h == h32 && matches!(&slab[i as usize], Some(r) if r.res.id == id)
+        }) else {
             return;
         };
-        let i = *entry.get();
+        let i = entry.get().0;
         let Some(rec) = slab[i as usize].as_ref() else {
             return;
         };
@@ -146,6 +153,31 @@ impl Records {
         slab[i as usize] = None;
         free.push(i);
         self.compact_if_sparse();
+    }
+
+    /// Reads a little of `id`'s record on each of its cache lines (and the
+    /// scope set it shares), and answers a mix of it for
+    /// [`std::hint::black_box`]. A forget walks a cold record one dependent
+    /// load after another; reading it ahead, an operation earlier, issues
+    /// those loads together and out of the way, so the forget finds them
+    /// in cache.
+    pub(crate) fn warm(&self, id: ReservationId) -> u64 {
+        let Some(i) = self.find(id) else {
+            return 0;
+        };
+        let r = self.at(i);
+        let res = &r.res;
+        r.drop_at
+            ^ u64::from(r.hold_slot)
+            ^ u64::from(r.sent.is_some())
+            ^ res.expires_at.as_millis()
+            ^ res.ended_at.map_or(0, |t| t.as_millis())
+            ^ res.scopes.len() as u64
+            ^ u64::from(res.held.is_empty())
+            ^ u64::from(res.charged.is_some())
+            ^ u64::from(res.model.is_some())
+            ^ u64::from(res.labels.is_some())
+            ^ u64::from(res.idempotency_key.is_some())
     }
 
     /// Number of records.
@@ -171,21 +203,13 @@ impl Records {
         self.slab.shrink_to(live * 2);
         self.free.clear();
         self.free.shrink_to(live);
-        let Records {
-            hasher,
-            table,
-            slab,
-            ..
-        } = self;
-        table.clear();
-        table.shrink_to(live, |_| 0);
-        for (i, rec) in slab.iter().enumerate() {
-            let id = rec.as_ref().map_or(0, |r| r.res.id.0);
-            let slab = &*slab;
-            table.insert_unique(hasher.hash_one(id), i as u32, |&j| {
-                let id = slab[j as usize].as_ref().map_or(0, |r| r.res.id.0);
-                hasher.hash_one(id)
-            });
+        self.table.clear();
+        self.table.shrink_to(live, |&(_, h)| table_hash(h));
+        for i in 0..self.slab.len() {
+            let id = self.slab[i].as_ref().map_or(ReservationId(0), |r| r.res.id);
+            let h32 = self.h32(id);
+            self.table
+                .insert_unique(table_hash(h32), (i as u32, h32), |&(_, h)| table_hash(h));
         }
     }
 }

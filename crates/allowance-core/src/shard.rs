@@ -192,8 +192,9 @@ impl ScopeState {
         let from = self.words[0];
         if self.wide_mask == 0 {
             let ScopeState { words, plan, .. } = self;
-            for (limit, &at) in plan.limits().iter().zip(plan.offsets.iter()) {
-                window::advance_narrow(limit, &mut words[at as usize..], from, now_ms);
+            for (i, h) in plan.hot.iter().enumerate() {
+                let w = &mut words[h.at as usize..];
+                window::advance_narrow((h.fast, h.capacity), (plan.limits(), i), w, from, now_ms);
             }
         } else {
             for i in 0..self.plan.limits().len() {
@@ -201,6 +202,58 @@ impl ScopeState {
             }
         }
         self.words[0] = now_ms;
+    }
+
+    /// Advances every window to `now_ms` and answers whether
+    /// `requested(dim)` more fits under every limit: reserve's walk over a
+    /// scope, both in one pass. With `only_positive`, limits asked for
+    /// nothing pass.
+    #[inline]
+    pub(crate) fn advance_and_fit(
+        &mut self,
+        now_ms: u64,
+        requested: &impl Fn(Dimension) -> u64,
+        only_positive: bool,
+    ) -> bool {
+        let from = self.words[0];
+        let moved = now_ms > from;
+        if self.wide_mask != 0 {
+            self.advance(now_ms);
+            return self.fits_all(requested, only_positive);
+        }
+        let ScopeState {
+            words,
+            plan,
+            extra,
+            held_count,
+            ..
+        } = self;
+        let held = extra.as_ref().map(|e| &e.held);
+        let mut ok = true;
+        for (i, h) in plan.hot.iter().enumerate() {
+            let w = &mut words[h.at as usize..];
+            if moved {
+                window::advance_narrow((h.fast, h.capacity), (plan.limits(), i), w, from, now_ms);
+            }
+            if !ok {
+                continue; // still advanced: every window moves together
+            }
+            let dim = h.dim;
+            let req = requested(dim);
+            if only_positive && req == 0 {
+                continue;
+            }
+            let held = if dim.is_implied() {
+                u64::from(*held_count)
+            } else {
+                held.map_or(0, |a| a.get(dim))
+            };
+            ok = window::fits(h.fast, h.capacity, w, req, held);
+        }
+        if moved {
+            words[0] = now_ms;
+        }
+        ok
     }
 
     /// Whether `requested(dim)` more fits under every limit (the hot path of
@@ -213,8 +266,8 @@ impl ScopeState {
         only_positive: bool,
     ) -> bool {
         let held = self.extra.as_ref().map(|e| &e.held);
-        for (limit, &at) in self.plan.limits().iter().zip(self.plan.offsets.iter()) {
-            let dim = limit.dimension();
+        for h in self.plan.hot.iter() {
+            let dim = h.dim;
             let req = requested(dim);
             if only_positive && req == 0 {
                 continue;
@@ -222,9 +275,9 @@ impl ScopeState {
             let held = if dim.is_implied() {
                 u64::from(self.held_count)
             } else {
-                held.map_or(0, |h| h.get(dim))
+                held.map_or(0, |a| a.get(dim))
             };
-            if !window::fits(limit, &self.words[at as usize..], req, held) {
+            if !window::fits(h.fast, h.capacity, &self.words[h.at as usize..], req, held) {
                 return false;
             }
         }
@@ -264,6 +317,7 @@ impl ScopeState {
     }
 
     /// Records a settle's charged amounts on every limit (`requests` = 1).
+    #[inline]
     pub(crate) fn record_all(&mut self, now_ms: u64, charged: &Amounts) {
         // `requests` is 1 per settle; the `concurrent` gauge records nothing.
         let row = charged.builtin_row(1, 0);
@@ -271,32 +325,42 @@ impl ScopeState {
             Some(&a) => a,
             None => charged.get(dim),
         };
-        // Limits that have or need wide slices take the slow path below.
-        let mut slow: u32 = self.wide_mask;
-        {
-            let ScopeState {
-                words,
-                plan,
-                wide_mask,
-                ..
-            } = self;
-            for (i, (limit, &at)) in plan.limits().iter().zip(plan.offsets.iter()).enumerate() {
-                let amount = amount_of(limit.dimension());
-                if amount == 0 || *wide_mask & (1 << i) != 0 {
-                    continue;
-                }
-                if !window::record_narrow(limit, &mut words[at as usize..], now_ms, amount) {
+        if self.wide_mask == 0 {
+            let ScopeState { words, plan, .. } = self;
+            let mut slow: u32 = 0;
+            for (i, h) in plan.hot.iter().enumerate() {
+                let amount = amount_of(h.dim);
+                if amount != 0
+                    && !window::record_narrow(h.fast, &mut words[h.at as usize..], now_ms, amount)
+                {
                     slow |= 1 << i;
                 }
             }
-        }
-        while slow != 0 {
-            let i = slow.trailing_zeros() as usize;
-            slow &= slow - 1;
-            let amount = amount_of(self.plan.limits()[i].dimension());
-            if amount > 0 {
-                self.record(i, now_ms, amount);
+            if slow != 0 {
+                self.record_slow(slow, now_ms, charged);
             }
+        } else {
+            self.record_slow(u32::MAX, now_ms, charged);
+        }
+    }
+
+    /// Records on the limits in `mask` one by one (wide slices, or a slice
+    /// about to outgrow 32 bits): the rest of [`ScopeState::record_all`].
+    #[cold]
+    #[inline(never)]
+    fn record_slow(&mut self, mut mask: u32, now_ms: u64, charged: &Amounts) {
+        for (i, limit) in self.plan.clone().limits().iter().enumerate() {
+            if mask & 1 != 0 {
+                let amount = match limit.dimension() {
+                    Dimension::REQUESTS => 1,
+                    Dimension::CONCURRENT => 0,
+                    d => charged.get(d),
+                };
+                if amount > 0 {
+                    self.record(i, now_ms, amount);
+                }
+            }
+            mask >>= 1;
         }
     }
 
@@ -397,6 +461,8 @@ pub(crate) struct ShardState {
     pub(crate) now_ms: u64,
     /// Expired holds processed (a counter for metrics and tests).
     pub(crate) expired_count: u64,
+    /// The ended reservation last read ahead of its forget (see `observe`).
+    pub(crate) warmed: Option<ReservationId>,
 }
 
 /// A shard: its configuration and its state.
@@ -471,13 +537,28 @@ impl ShardState {
     /// plan and advanced to `now_ms`.
     #[inline]
     pub(crate) fn scope_slot(&mut self, catalog: &Catalog, key: &ScopeKey, now_ms: u64) -> u32 {
+        let slot = self.find_or_add(catalog, key, now_ms);
+        let ShardState { scopes, gc, .. } = self;
+        let st = live(scopes, slot);
+        st.sync(catalog);
+        st.advance(now_ms);
+        if !st.gc_queued && st.held_count == 0 {
+            st.gc_queued = true;
+            gc.push(Reverse((now_ms, slot)));
+        }
+        slot
+    }
+
+    /// The scope's slot, its state created fresh (set up at `now_ms`) if
+    /// absent.
+    #[inline]
+    fn find_or_add(&mut self, catalog: &Catalog, key: &ScopeKey, now_ms: u64) -> u32 {
         let hash = name_hash(&self.hasher, key);
         let ShardState {
             hasher,
             index,
             scopes,
             free_scopes,
-            gc,
             ..
         } = self;
         let found = index
@@ -486,7 +567,7 @@ impl ShardState {
                 |&s| matches!(&scopes[s as usize], Some(st) if st.key == *key),
             )
             .copied();
-        let slot = match found {
+        match found {
             Some(s) => s,
             None => {
                 let st = ScopeState::new(
@@ -513,15 +594,30 @@ impl ShardState {
                 });
                 s
             }
-        };
+        }
+    }
+
+    /// [`ShardState::scope_slot`] and whether `requested(dim)` more fits
+    /// under every limit of the scope ([`ScopeState::advance_and_fit`]).
+    #[inline]
+    pub(crate) fn scope_check(
+        &mut self,
+        catalog: &Catalog,
+        key: &ScopeKey,
+        now_ms: u64,
+        requested: &impl Fn(Dimension) -> u64,
+        only_positive: bool,
+    ) -> (u32, bool) {
+        let slot = self.find_or_add(catalog, key, now_ms);
+        let ShardState { scopes, gc, .. } = self;
         let st = live(scopes, slot);
         st.sync(catalog);
-        st.advance(now_ms);
+        let fits = st.advance_and_fit(now_ms, requested, only_positive);
         if !st.gc_queued && st.held_count == 0 {
             st.gc_queued = true;
             gc.push(Reverse((now_ms, slot)));
         }
-        slot
+        (slot, fits)
     }
 
     /// The state in a slot.
@@ -598,7 +694,20 @@ impl ShardState {
     }
 
     /// Releases a hold from every scope of this shard.
+    #[inline]
     pub(crate) fn release_hold(&mut self, slot: u32, now_ms: u64) -> Released {
+        self.release_hold_recording(slot, now_ms, None)
+    }
+
+    /// [`ShardState::release_hold`], recording `charged` on each scope
+    /// first when given (a settle: one pass over the hold's scopes, with
+    /// no lookup by name).
+    pub(crate) fn release_hold_recording(
+        &mut self,
+        slot: u32,
+        now_ms: u64,
+        record: Option<(&Catalog, &Amounts)>,
+    ) -> Released {
         let hold = self.holds[slot as usize].take().expect("a live hold slot");
         let ShardState {
             scopes,
@@ -611,6 +720,14 @@ impl ShardState {
         expiry.remove(hold.heap_pos, &mut set_heap_pos(holds));
         for hs in &hold.scopes {
             let st = live(scopes, hs.slot);
+            if let Some((catalog, charged)) = record {
+                // A plan change since the scope was last touched is in
+                // force for this settle too: record into the current
+                // plan's limits.
+                st.sync(catalog);
+                st.advance(now_ms);
+                st.record_all(now_ms, charged);
+            }
             st.held_count -= 1;
             if let Some(extra) = st.extra.as_mut() {
                 extra.held.sub(&hold.amounts);
@@ -623,29 +740,6 @@ impl ShardState {
         }
         free_slots.push(slot);
         (hold.owner, hold.foreign, hold.expires_ms)
-    }
-
-    /// Records charged usage on the scopes of a live hold (settle, before
-    /// the release), with no lookup by name.
-    pub(crate) fn record_on_hold(
-        &mut self,
-        catalog: &Catalog,
-        slot: u32,
-        now_ms: u64,
-        charged: &Amounts,
-    ) {
-        let ShardState { scopes, holds, .. } = self;
-        let Some(Some(hold)) = holds.get(slot as usize) else {
-            return;
-        };
-        for hs in &hold.scopes {
-            let st = live(scopes, hs.slot);
-            // A plan change since the scope was last touched is in force
-            // for this settle too: record into the current plan's limits.
-            st.sync(catalog);
-            st.advance(now_ms);
-            st.record_all(now_ms, charged);
-        }
     }
 
     /// Raises a hold by `delta` on every scope of this shard.
@@ -725,6 +819,16 @@ impl ShardState {
             }
         }
         self.collect(catalog, now, gc_budget);
+        // The next record to forget is the oldest ended one: read it now,
+        // while this operation has work to overlap the cache misses with.
+        // Once per record: after that it is in cache, or evicted by work
+        // that a second read would not have prevented.
+        if let Some(&(_, id)) = self.ended.front() {
+            if self.warmed != Some(id) {
+                self.warmed = Some(id);
+                std::hint::black_box(self.records.warm(id));
+            }
+        }
         now
     }
 

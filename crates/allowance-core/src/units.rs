@@ -106,10 +106,26 @@ impl Dimension {
 /// Never contains the implied dimensions (`requests`, `concurrent`). The
 /// four counted built-in dimensions sit in a fixed array (every operation
 /// reads them, in O(1)); custom dimensions are a short sorted list.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Debug, Default, PartialEq, Eq, Hash)]
 pub struct Amounts {
     builtin: [u64; 4],
     custom: Vec<(Dimension, u64)>,
+}
+
+impl Clone for Amounts {
+    /// Inline, and without a call into `Vec::clone` for the usual empty
+    /// list of custom dimensions (every operation clones a few amounts).
+    #[inline]
+    fn clone(&self) -> Self {
+        Amounts {
+            builtin: self.builtin,
+            custom: if self.custom.is_empty() {
+                Vec::new()
+            } else {
+                self.custom.clone()
+            },
+        }
+    }
 }
 
 impl Amounts {
@@ -258,10 +274,10 @@ impl Amounts {
         [requests, concurrent, a, b, c, d]
     }
 
-    /// Whether some amount is of a custom dimension.
+    /// No custom dimension, and every amount at most [`MAX_AMOUNT`].
     #[inline]
-    pub(crate) fn has_custom(&self) -> bool {
-        !self.custom.is_empty()
+    pub(crate) fn builtin_only_in_range(&self) -> bool {
+        self.custom.is_empty() && self.builtin.iter().all(|&a| a <= MAX_AMOUNT)
     }
 }
 

@@ -63,15 +63,14 @@ pub(crate) fn words_of(fast: Fast) -> usize {
 /// is what rounding `used` up gives too). Reads no slices, so a limit with
 /// wide slices answers from its words alone (the total is kept there).
 #[inline(always)]
-pub(crate) fn fits(limit: &Limit, words: &[u64], requested: u64, held: u64) -> bool {
-    let Some(target) = limit
-        .capacity()
+pub(crate) fn fits(fast: Fast, capacity: u64, words: &[u64], requested: u64, held: u64) -> bool {
+    let Some(target) = capacity
         .checked_sub(held)
         .and_then(|r| r.checked_sub(requested))
     else {
         return false;
     };
-    match limit.fast {
+    match fast {
         Fast::Bucket { period_ms } => deficit(words) <= u128::from(target) * u128::from(period_ms),
         Fast::Sliding { .. } => words[0] <= target,
         Fast::Calendar => words[1] <= target,
@@ -123,29 +122,34 @@ impl Slices<'_> {
 }
 
 /// The hot path's forms of [`State::advance`] for a limit without wide
-/// slices, on the scope's words from the limit's offset on: the common case
-/// in a compare or two, the rest (a slice or calendar window rolling over)
-/// out of line.
+/// slices (`limits[i]`, whose `fast` and `capacity` are given), on the
+/// scope's words from the limit's offset on: the common case in a compare
+/// or two, the rest (a slice or calendar window rolling over) out of line.
 #[inline(always)]
-pub(crate) fn advance_narrow(limit: &Limit, words: &mut [u64], from_ms: u64, now_ms: u64) {
-    match limit.fast {
+pub(crate) fn advance_narrow(
+    (fast, capacity): (Fast, u64),
+    (limits, i): (&[Limit], usize),
+    words: &mut [u64],
+    from_ms: u64,
+    now_ms: u64,
+) {
+    match fast {
         Fast::Sliding { .. } => {
             if now_ms >= words[1] {
-                advance_cold(limit, words, from_ms, now_ms);
+                advance_cold(&limits[i], words, from_ms, now_ms);
             }
         }
         Fast::Bucket { .. } => {
             let d = deficit(words);
             if d != 0 {
                 // capacity ≤ 2^53: the product cannot overflow 128 bits.
-                let refill =
-                    u128::from(limit.capacity()) * u128::from(now_ms.saturating_sub(from_ms));
+                let refill = u128::from(capacity) * u128::from(now_ms.saturating_sub(from_ms));
                 set_deficit(words, d.saturating_sub(refill));
             }
         }
         Fast::Calendar => {
             if now_ms >= words[0] {
-                advance_cold(limit, words, from_ms, now_ms);
+                advance_cold(&limits[i], words, from_ms, now_ms);
             }
         }
         Fast::Total | Fast::Concurrent => {}
@@ -169,8 +173,8 @@ fn advance_cold(limit: &Limit, words: &mut [u64], from_ms: u64, now_ms: u64) {
 /// `now_ms`). `false`, and nothing changed, when a sliding slice would
 /// outgrow 32 bits: the caller widens it first (see [`State::needs_wide`]).
 #[inline(always)]
-pub(crate) fn record_narrow(limit: &Limit, words: &mut [u64], now_ms: u64, amount: u64) -> bool {
-    match limit.fast {
+pub(crate) fn record_narrow(fast: Fast, words: &mut [u64], now_ms: u64, amount: u64) -> bool {
+    match fast {
         Fast::Sliding { width_ms, slices } => {
             let end = words[1];
             let i = if now_ms < end && now_ms >= end.saturating_sub(width_ms) {
@@ -318,7 +322,13 @@ impl State<'_> {
     /// Whether `requested` more fits (see [`fits`]).
     #[inline]
     pub(crate) fn fits(&self, requested: u64, held: u64) -> bool {
-        fits(self.limit, self.words, requested, held)
+        fits(
+            self.limit.fast,
+            self.limit.capacity(),
+            self.words,
+            requested,
+            held,
+        )
     }
 
     /// Whether recording `amount` now needs wide slices first.
