@@ -69,6 +69,64 @@ pub(crate) struct Hot {
     pub(crate) dim: Dimension,
 }
 
+/// A limit as the per-kind hot loops read it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct KindLimit {
+    pub(crate) dim: Dimension,
+    /// Its position in the plan (for the rare paths that need the `Limit`).
+    pub(crate) index: u16,
+    /// Where its state starts in a scope's state words.
+    pub(crate) at: u32,
+    pub(crate) capacity: u64,
+    /// A bucket's period (a sliding window's slice width, unread).
+    pub(crate) ms: u64,
+}
+
+/// A plan's limits grouped by window kind: a loop over one kind runs the
+/// same few instructions for every limit, with no dispatch on the kind.
+/// The order within the plan matters only to tell which denial is
+/// reported, which the refused path works out limit by limit in plan order.
+#[derive(Debug, Default)]
+pub(crate) struct ByKind {
+    pub(crate) buckets: Box<[KindLimit]>,
+    pub(crate) sliding: Box<[KindLimit]>,
+    pub(crate) concurrent: Box<[KindLimit]>,
+    /// Calendar and total limits: per limit, through [`Hot`].
+    pub(crate) other: Box<[KindLimit]>,
+}
+
+impl ByKind {
+    fn new(hot: &[Hot]) -> ByKind {
+        let mut k = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (i, h) in hot.iter().enumerate() {
+            let ms = match h.fast {
+                Fast::Sliding { width_ms, .. } => width_ms,
+                Fast::Bucket { period_ms } => period_ms,
+                _ => 0,
+            };
+            let l = KindLimit {
+                dim: h.dim,
+                index: i as u16,
+                at: h.at,
+                capacity: h.capacity,
+                ms,
+            };
+            match h.fast {
+                Fast::Bucket { .. } => k.0.push(l),
+                Fast::Sliding { .. } => k.1.push(l),
+                Fast::Concurrent => k.2.push(l),
+                Fast::Calendar | Fast::Total => k.3.push(l),
+            }
+        }
+        ByKind {
+            buckets: k.0.into(),
+            sliding: k.1.into(),
+            concurrent: k.2.into(),
+            other: k.3.into(),
+        }
+    }
+}
+
 /// A named list of limits: a tier (`free`, `plus`, `enterprise`), or the
 /// limits given to one scope by an override.
 #[derive(Debug)]
@@ -81,6 +139,8 @@ pub struct Plan {
     pub(crate) offsets: Box<[u32]>,
     /// What the hot loops read of each limit, in plan order, in one array.
     pub(crate) hot: Box<[Hot]>,
+    /// The same, grouped by window kind.
+    pub(crate) by_kind: ByKind,
     /// Words of state a scope on this plan needs (a timestamp first).
     pub(crate) words: u32,
 }
@@ -155,7 +215,9 @@ impl Plan {
                 dim: l.dimension(),
             })
             .collect();
+        let hot: Box<[Hot]> = hot;
         Ok(Arc::new(Plan {
+            by_kind: ByKind::new(&hot),
             hot,
             name: name.into(),
             limits: limits.into(),

@@ -20,7 +20,7 @@ use smallvec::SmallVec;
 use crate::catalog::Catalog;
 use crate::heap::{Entry, IndexedHeap};
 use crate::limit::Limit;
-use crate::plan::Plan;
+use crate::plan::{KindLimit, Plan};
 use crate::records::Records;
 use crate::reservation::{Reservation, ReservationId, Status};
 use crate::scope::ScopeKey;
@@ -229,26 +229,59 @@ impl ScopeState {
             ..
         } = self;
         let held = extra.as_ref().map(|e| &e.held);
-        let mut ok = true;
-        for (i, h) in plan.hot.iter().enumerate() {
-            let w = &mut words[h.at as usize..];
-            if moved {
-                window::advance_narrow((h.fast, h.capacity), (plan.limits(), i), w, from, now_ms);
-            }
-            if !ok {
-                continue; // still advanced: every window moves together
-            }
-            let dim = h.dim;
-            let req = requested(dim);
-            if only_positive && req == 0 {
-                continue;
-            }
-            let held = if dim.is_implied() {
+        let held_of = |dim: Dimension| {
+            if dim.is_implied() {
                 u64::from(*held_count)
             } else {
                 held.map_or(0, |a| a.get(dim))
-            };
-            ok = window::fits(h.fast, h.capacity, w, req, held);
+            }
+        };
+        // Whether limit `l` has room for what is asked of it, by `test`.
+        let passes = |l: &KindLimit, test: &dyn Fn(u64) -> bool| {
+            let req = requested(l.dim);
+            (only_positive && req == 0)
+                || window::room(l.capacity, held_of(l.dim), req).is_some_and(test)
+        };
+        let elapsed = if moved { now_ms - from } else { 0 };
+        let k = &plan.by_kind;
+        let mut ok = true;
+        for l in k.buckets.iter() {
+            let d = window::bucket_refill(&mut words[l.at as usize..], l.capacity, elapsed);
+            ok = ok && passes(l, &|room| window::bucket_fits(d, room, l.ms));
+        }
+        for l in k.sliding.iter() {
+            let at = l.at as usize;
+            if moved && now_ms >= words[at + 1] {
+                let h = &plan.hot[usize::from(l.index)];
+                window::advance_narrow(
+                    (h.fast, h.capacity),
+                    (plan.limits(), usize::from(l.index)),
+                    &mut words[at..],
+                    from,
+                    now_ms,
+                );
+            }
+            // The window's total is its first word.
+            let total = words[at];
+            ok = ok && passes(l, &|room| total <= room);
+        }
+        for l in k.concurrent.iter() {
+            ok = ok && passes(l, &|_| true);
+        }
+        for l in k.other.iter() {
+            let h = &plan.hot[usize::from(l.index)];
+            let w = &mut words[l.at as usize..];
+            if moved {
+                window::advance_narrow(
+                    (h.fast, h.capacity),
+                    (plan.limits(), usize::from(l.index)),
+                    w,
+                    from,
+                    now_ms,
+                );
+            }
+            let w = &words[l.at as usize..];
+            ok = ok && passes(l, &|room| window::fits(h.fast, room, w, 0, 0));
         }
         if moved {
             words[0] = now_ms;
@@ -327,13 +360,22 @@ impl ScopeState {
         };
         if self.wide_mask == 0 {
             let ScopeState { words, plan, .. } = self;
+            let k = &plan.by_kind;
             let mut slow: u32 = 0;
-            for (i, h) in plan.hot.iter().enumerate() {
-                let amount = amount_of(h.dim);
+            for l in k.buckets.iter() {
+                let amount = amount_of(l.dim);
+                if amount != 0 {
+                    window::bucket_record(&mut words[l.at as usize..], amount, l.ms);
+                }
+            }
+            // `concurrent` records nothing.
+            for l in k.sliding.iter().chain(k.other.iter()) {
+                let amount = amount_of(l.dim);
+                let fast = plan.hot[usize::from(l.index)].fast;
                 if amount != 0
-                    && !window::record_narrow(h.fast, &mut words[h.at as usize..], now_ms, amount)
+                    && !window::record_narrow(fast, &mut words[l.at as usize..], now_ms, amount)
                 {
-                    slow |= 1 << i;
+                    slow |= 1 << l.index;
                 }
             }
             if slow != 0 {

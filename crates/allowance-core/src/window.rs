@@ -121,6 +121,41 @@ impl Slices<'_> {
     }
 }
 
+/// `capacity − held − requested`, or `None` when it would be negative (the
+/// request cannot fit whatever the window's usage).
+#[inline(always)]
+pub(crate) fn room(capacity: u64, held: u64, requested: u64) -> Option<u64> {
+    capacity.checked_sub(held)?.checked_sub(requested)
+}
+
+/// A bucket's deficit (its words from the limit's offset on) after
+/// `elapsed_ms` more of refill; stored back when it changed.
+#[inline(always)]
+pub(crate) fn bucket_refill(words: &mut [u64], capacity: u64, elapsed_ms: u64) -> u128 {
+    let d = deficit(words);
+    if d == 0 || elapsed_ms == 0 {
+        return d;
+    }
+    // capacity ≤ 2^53: the product cannot overflow 128 bits.
+    let d = d.saturating_sub(u128::from(capacity) * u128::from(elapsed_ms));
+    set_deficit(words, d);
+    d
+}
+
+/// Whether a bucket with this deficit has `room` (see [`room`]) left:
+/// against the fixed-point level, which is what rounding `used` up gives.
+#[inline(always)]
+pub(crate) fn bucket_fits(deficit: u128, room: u64, period_ms: u64) -> bool {
+    deficit <= u128::from(room) * u128::from(period_ms)
+}
+
+/// Records `amount` on a bucket (its words from the limit's offset on).
+#[inline(always)]
+pub(crate) fn bucket_record(words: &mut [u64], amount: u64, period_ms: u64) {
+    let add = u128::from(amount) * u128::from(period_ms);
+    set_deficit(words, deficit(words).saturating_add(add));
+}
+
 /// The hot path's forms of [`State::advance`] for a limit without wide
 /// slices (`limits[i]`, whose `fast` and `capacity` are given), on the
 /// scope's words from the limit's offset on: the common case in a compare
