@@ -141,6 +141,13 @@ pub(crate) fn check_shard(shard: usize, st: &ShardState) -> Result<(), String> {
     if st.records.iter().count() != st.records.len() {
         return fail("the record index and the record slab disagree".into());
     }
+    let multi = st.records.iter().filter(|r| r.multi_shard).count();
+    if multi != st.multi_shard_records {
+        return fail(format!(
+            "{multi} multi-shard records, counted {}",
+            st.multi_shard_records
+        ));
+    }
     for rec in st.records.iter() {
         let id = &rec.res.id;
         if st.records.find(*id).map(|i| st.records.at(i).res.id) != Some(*id) {

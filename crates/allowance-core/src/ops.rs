@@ -651,6 +651,7 @@ impl<'a> Locked<'a> {
             multi_shard,
             drop_at: 0,
         });
+        home.multi_shard_records += usize::from(multi_shard);
         if let Some(k) = idem {
             home.idempotency.insert(k, id);
         }

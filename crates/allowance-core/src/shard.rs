@@ -503,6 +503,10 @@ pub(crate) struct ShardState {
     pub(crate) now_ms: u64,
     /// Expired holds processed (a counter for metrics and tests).
     pub(crate) expired_count: u64,
+    /// Records of reservations with scopes in other shards: while there
+    /// are none, a settle or refund needs no lookup to know it locks only
+    /// this shard.
+    pub(crate) multi_shard_records: usize,
     /// The ended reservation last read ahead of its forget (see `observe`).
     pub(crate) warmed: Option<ReservationId>,
 }
@@ -902,11 +906,15 @@ impl ShardState {
 
     fn forget(&mut self, id: ReservationId, at: u64) {
         let idempotency = &mut self.idempotency;
+        let multi = &mut self.multi_shard_records;
         self.records.remove_unless(
             id,
             // A later settle moved its retention: that entry forgets it.
             |r| r.drop_at != at || r.res.status == Status::Held,
             |r| {
+                if r.multi_shard {
+                    *multi -= 1;
+                }
                 if let Some(key) = &r.res.idempotency_key {
                     let k = idempotency_key(r.res.scopes.tenant_name(), key);
                     if idempotency.get(&k) == Some(&id) {

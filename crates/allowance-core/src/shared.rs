@@ -163,25 +163,41 @@ impl SharedLedger {
         let home = self.router.of_id(id);
         let scopes = {
             let mut g = self.shards[home].0.lock();
-            match g.st.records.get(id) {
-                Some(r) if r.multi_shard => r.res.scopes.clone(),
+            // A shard that remembers no multi-shard reservation needs no
+            // lookup here (the operation looks the id up itself).
+            let multi =
+                g.st.multi_shard_records > 0 && g.st.records.get(id).is_some_and(|r| r.multi_shard);
+            if !multi {
                 // The common case: everything lives in the home shard, already locked.
-                _ => {
-                    let Shard { catalog, st } = &mut *g;
-                    let mut locked = Locked {
-                        catalog,
-                        parts: smallvec::smallvec![(home, st)],
-                        home: 0,
-                        router: self.router,
-                    };
-                    return f(&mut locked);
-                }
+                return Self::run_home(&mut g, home, self.router, f);
             }
+            g.st.records
+                .get(id)
+                .map(|r| r.res.scopes.clone())
+                .expect("found above, under the same lock")
         };
         // A reservation's scopes never change, so the set found here stays
         // right after the home lock is dropped to take all locks in order.
         let shards = self.router.shards_of(&scopes);
         self.with_shards(&shards, home, f)
+    }
+
+    /// Runs `f` with only the home shard locked (already, by `g`).
+    #[inline]
+    fn run_home<R>(
+        g: &mut MutexGuard<'_, Shard>,
+        home: usize,
+        router: Router,
+        f: impl FnOnce(&mut Locked<'_>) -> R,
+    ) -> R {
+        let Shard { catalog, st } = &mut **g;
+        let mut locked = Locked {
+            catalog,
+            parts: smallvec::smallvec![(home, st)],
+            home: 0,
+            router,
+        };
+        f(&mut locked)
     }
 
     /// Holds `req.amounts` on every scope, all or nothing. `id` must be made
@@ -197,9 +213,14 @@ impl SharedLedger {
                 Invalid::new("id", "the reservation id was not minted for this tenant").into(),
             );
         }
-        let shards = self.router.shards_of(&req.scopes);
         // The id carries the tenant's tag (checked above): it routes home.
         let home = self.router.of_id(id);
+        if !req.scopes.any_shared() {
+            // Every scope lives in the tenant's shard.
+            let mut g = self.shards[home].0.lock();
+            return Self::run_home(&mut g, home, self.router, |l| l.reserve(now, id, req));
+        }
+        let shards = self.router.shards_of(&req.scopes);
         self.with_shards(&shards, home, |l| l.reserve(now, id, req))
     }
 
