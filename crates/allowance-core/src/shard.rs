@@ -10,7 +10,6 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
-use std::hash::BuildHasher;
 use std::sync::Arc;
 
 use foldhash::fast::RandomState;
@@ -479,8 +478,6 @@ pub(crate) struct Record {
 /// Everything one shard owns.
 #[derive(Debug, Default)]
 pub(crate) struct ShardState {
-    /// Hashes scope names for `index`.
-    pub(crate) hasher: RandomState,
     /// Scope name → slot in `scopes` (the name itself lives in the scope's
     /// state): one hash per scope per operation; holds and the rest of the
     /// operation use the slot.
@@ -556,10 +553,10 @@ fn live(scopes: &mut [Option<ScopeState>], slot: u32) -> &mut ScopeState {
         .expect("a scope slot held by a live hold")
 }
 
-/// The hash of a scope name in a shard's index.
+/// The hash of a scope name in a shard's index: made with the key, once.
 #[inline]
-fn name_hash(hasher: &RandomState, key: &ScopeKey) -> u64 {
-    hasher.hash_one(key.as_str())
+fn name_hash(key: &ScopeKey) -> u64 {
+    key.index_hash()
 }
 
 /// What a released hold was: its owner, whether it was foreign, and when
@@ -573,7 +570,7 @@ impl ShardState {
         let scopes = &self.scopes;
         self.index
             .find(
-                name_hash(&self.hasher, key),
+                name_hash(key),
                 |&s| matches!(&scopes[s as usize], Some(st) if st.key == *key),
             )
             .copied()
@@ -599,9 +596,8 @@ impl ShardState {
     /// absent.
     #[inline]
     fn find_or_add(&mut self, catalog: &Catalog, key: &ScopeKey, now_ms: u64) -> u32 {
-        let hash = name_hash(&self.hasher, key);
+        let hash = name_hash(key);
         let ShardState {
-            hasher,
             index,
             scopes,
             free_scopes,
@@ -636,7 +632,7 @@ impl ShardState {
                 index.insert_unique(hash, s, |&j| {
                     scopes[j as usize]
                         .as_ref()
-                        .map_or(0, |st| name_hash(hasher, &st.key))
+                        .map_or(0, |st| name_hash(&st.key))
                 });
                 s
             }
@@ -950,7 +946,7 @@ impl ShardState {
             st.advance(now);
             match st.empty_at(now) {
                 Some(at) if at <= now => {
-                    let hash = name_hash(&self.hasher, &st.key);
+                    let hash = name_hash(&st.key);
                     if let Ok(entry) = self.index.find_entry(hash, |&s| s == slot) {
                         entry.remove();
                     }
