@@ -155,31 +155,6 @@ impl Records {
         self.compact_if_sparse();
     }
 
-    /// Reads a little of `id`'s record on each of its cache lines (and the
-    /// scope set it shares), and answers a mix of it for
-    /// [`std::hint::black_box`]. A forget walks a cold record one dependent
-    /// load after another; reading it ahead, an operation earlier, issues
-    /// those loads together and out of the way, so the forget finds them
-    /// in cache.
-    pub(crate) fn warm(&self, id: ReservationId) -> u64 {
-        let Some(i) = self.find(id) else {
-            return 0;
-        };
-        let r = self.at(i);
-        let res = &r.res;
-        r.drop_at
-            ^ u64::from(r.hold_slot)
-            ^ u64::from(r.sent.is_some())
-            ^ res.expires_at.as_millis()
-            ^ res.ended_at.map_or(0, |t| t.as_millis())
-            ^ res.scopes.len() as u64
-            ^ u64::from(res.held.is_empty())
-            ^ u64::from(res.charged.is_some())
-            ^ u64::from(res.model.is_some())
-            ^ u64::from(res.labels.is_some())
-            ^ u64::from(res.idempotency_key.is_some())
-    }
-
     /// Number of records.
     pub(crate) fn len(&self) -> usize {
         self.table.len()

@@ -504,8 +504,6 @@ pub(crate) struct ShardState {
     /// are none, a settle or refund needs no lookup to know it locks only
     /// this shard.
     pub(crate) multi_shard_records: usize,
-    /// The ended reservation last read ahead of its forget (see `observe`).
-    pub(crate) warmed: Option<ReservationId>,
 }
 
 /// A shard: its configuration and its state.
@@ -861,16 +859,6 @@ impl ShardState {
             }
         }
         self.collect(catalog, now, gc_budget);
-        // The next record to forget is the oldest ended one: read it now,
-        // while this operation has work to overlap the cache misses with.
-        // Once per record: after that it is in cache, or evicted by work
-        // that a second read would not have prevented.
-        if let Some(&(_, id)) = self.ended.front() {
-            if self.warmed != Some(id) {
-                self.warmed = Some(id);
-                std::hint::black_box(self.records.warm(id));
-            }
-        }
         now
     }
 
