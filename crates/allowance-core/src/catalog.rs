@@ -161,6 +161,7 @@ impl Catalog {
         self.epoch += 1;
     }
 
+    #[inline]
     pub(crate) fn epoch(&self) -> u64 {
         self.epoch
     }

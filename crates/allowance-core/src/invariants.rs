@@ -25,22 +25,39 @@ pub(crate) fn check_shard(shard: usize, st: &ShardState) -> Result<(), String> {
         if e.map(|e| (e.slot, e.due_ms)) != Some((slot as u32, hold.expires_ms)) {
             return fail(format!("hold {slot}: expiry heap position is wrong"));
         }
-        for (i, key) in hold.local_scopes() {
-            let Some(sc) = st.scope_get(key) else {
-                return fail(format!("hold {slot} holds on {key}, which does not exist"));
+        for (k, hs) in hold.scopes.iter().enumerate() {
+            let Some(sc) = st.scopes.get(hs.slot as usize).and_then(|s| s.as_ref()) else {
+                return fail(format!(
+                    "hold {slot} holds on slot {}, which is empty",
+                    hs.slot
+                ));
             };
-            if st.index.get(key) != Some(&hold.slots[i]) {
+            let key = &sc.key;
+            if st.slot_of(key) != Some(hs.slot) {
                 return fail(format!("hold {slot}: the slot of {key} is stale"));
             }
-            let pos = hold.holder_pos[i] as usize;
+            let pos = hs.pos as usize;
             let entry = sc
                 .extra
                 .as_ref()
                 .and_then(|x| x.holders.entries().get(pos).copied());
             if entry.map(|e| (e.slot, e.tag, e.due_ms))
-                != Some((slot as u32, i as u8, hold.expires_ms))
+                != Some((slot as u32, k as u8, hold.expires_ms))
             {
                 return fail(format!("hold {slot}: position in {key}'s holders is wrong"));
+            }
+            if !hold.foreign {
+                // The hold is on the reservation's own scopes.
+                let named = st
+                    .records
+                    .get(hold.owner)
+                    .and_then(|r| r.res.scopes.as_slice().get(usize::from(hs.index)));
+                if named != Some(key) {
+                    return fail(format!(
+                        "hold {slot}: scope {} of {} is not {key}",
+                        hs.index, hold.owner
+                    ));
+                }
             }
             let e = per_scope.entry(key.as_str()).or_default();
             e.0 += 1;
@@ -54,7 +71,7 @@ pub(crate) fn check_shard(shard: usize, st: &ShardState) -> Result<(), String> {
                 ));
             }
         } else {
-            let Some(rec) = st.records.get(&hold.owner) else {
+            let Some(rec) = st.records.get(hold.owner) else {
                 return fail(format!("hold {slot} belongs to unknown {}", hold.owner));
             };
             if rec.res.status != Status::Held || rec.hold_slot != slot as u32 {
@@ -87,10 +104,14 @@ pub(crate) fn check_shard(shard: usize, st: &ShardState) -> Result<(), String> {
     {
         return fail("the scope index and the scope table disagree".into());
     }
-    for (key, &slot) in &st.index {
+    for &slot in st.index.iter() {
         let Some(sc) = st.scopes.get(slot as usize).and_then(|s| s.as_ref()) else {
-            return fail(format!("{key} points at an empty slot {slot}"));
+            return fail(format!("the index points at an empty slot {slot}"));
         };
+        let key = &sc.key;
+        if st.slot_of(key) != Some(slot) {
+            return fail(format!("{key} is not found at its slot {slot}"));
+        }
         let (count, amounts) = per_scope.remove(key.as_str()).unwrap_or_default();
         // held equals the sum over its HELD reservations of their held amounts.
         if sc.held_count != count {
@@ -117,7 +138,21 @@ pub(crate) fn check_shard(shard: usize, st: &ShardState) -> Result<(), String> {
             return fail(format!("{key}: implied dimensions are never stored"));
         }
     }
-    for (id, rec) in &st.records {
+    if st.records.iter().count() != st.records.len() {
+        return fail("the record index and the record slab disagree".into());
+    }
+    let multi = st.records.iter().filter(|r| r.multi_shard).count();
+    if multi != st.multi_shard_records {
+        return fail(format!(
+            "{multi} multi-shard records, counted {}",
+            st.multi_shard_records
+        ));
+    }
+    for rec in st.records.iter() {
+        let id = &rec.res.id;
+        if st.records.find(*id).map(|i| st.records.at(i).res.id) != Some(*id) {
+            return fail(format!("{id} is not found by its id"));
+        }
         let held = rec.res.status == Status::Held;
         if held != (rec.hold_slot != NO_SLOT) {
             return fail(format!(
@@ -136,7 +171,7 @@ pub(crate) fn check_shard(shard: usize, st: &ShardState) -> Result<(), String> {
         }
     }
     for (k, id) in &st.idempotency {
-        if !st.records.contains_key(id) {
+        if !st.records.contains(*id) {
             return fail(format!("idempotency key {k:?} points at forgotten {id}"));
         }
     }
@@ -153,7 +188,7 @@ pub(crate) fn check_foreign(
     for (i, st) in shards.iter().enumerate() {
         for hold in st.holds.iter().flatten().filter(|h| h.foreign) {
             let home = home_of(hold.owner);
-            let Some(rec) = shards[home].records.get(&hold.owner) else {
+            let Some(rec) = shards[home].records.get(hold.owner) else {
                 return Err(format!(
                     "foreign hold in shard {i} of unknown {}",
                     hold.owner

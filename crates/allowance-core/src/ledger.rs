@@ -81,8 +81,8 @@ impl Ledger {
         id: ReservationId,
         usage: &Usage,
     ) -> Result<&Reservation, SettleError> {
-        self.locked().settle(now, id, usage).map(|_| ())?;
-        Ok(&self.shard.st.records[&id].res)
+        let i = self.locked().settle(now, id, usage)?;
+        Ok(&self.shard.st.records.at(i).res)
     }
 
     /// Releases the hold and records nothing; a repeat answers the same.
@@ -91,8 +91,8 @@ impl Ledger {
         now: Timestamp,
         id: ReservationId,
     ) -> Result<&Reservation, RefundError> {
-        self.locked().refund(now, id).map(|_| ())?;
-        Ok(&self.shard.st.records[&id].res)
+        let i = self.locked().refund(now, id)?;
+        Ok(&self.shard.st.records.at(i).res)
     }
 
     /// Raises the hold by `amounts` (all or nothing) and/or sets
@@ -104,14 +104,14 @@ impl Ledger {
         amounts: Option<&Amounts>,
         ttl_ms: Option<u64>,
     ) -> Result<&Reservation, ExtendError> {
-        self.locked().extend(now, id, amounts, ttl_ms).map(|_| ())?;
-        Ok(&self.shard.st.records[&id].res)
+        let i = self.locked().extend(now, id, amounts, ttl_ms)?;
+        Ok(&self.shard.st.records.at(i).res)
     }
 
     /// A reservation as of `now` (expiry observed).
     pub fn get(&mut self, now: Timestamp, id: ReservationId) -> Option<&Reservation> {
-        self.locked().get(now, id).map(|_| ())?;
-        self.shard.st.records.get(&id).map(|r| &r.res)
+        let i = self.locked().get(now, id)?;
+        Some(&self.shard.st.records.at(i).res)
     }
 
     /// A scope's limits as of `now`; a scope never used answers its plan
@@ -159,14 +159,10 @@ impl Ledger {
     /// (for the memory benchmark).
     pub fn scope_heap_bytes(&self) -> usize {
         let st = &self.shard.st;
-        st.index
+        st.scopes
             .iter()
-            .map(|(k, &slot)| {
-                let state = st.scopes[slot as usize]
-                    .as_ref()
-                    .map_or(0, |s| s.heap_bytes());
-                k.as_str().len() + 16 + state
-            })
+            .flatten()
+            .map(|s| s.key.as_str().len() + 16 + s.heap_bytes())
             .sum()
     }
 

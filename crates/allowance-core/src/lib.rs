@@ -60,6 +60,7 @@ mod limit;
 mod model;
 mod ops;
 mod plan;
+mod records;
 mod reservation;
 mod scope;
 mod shard;

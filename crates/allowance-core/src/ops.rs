@@ -7,7 +7,9 @@
 
 use smallvec::SmallVec;
 
-use crate::catalog::{Catalog, MAX_IDEMPOTENCY_KEY_LEN, MAX_LABEL_KEY_LEN, MAX_LABEL_VALUE_LEN};
+use crate::catalog::{
+    Catalog, MAX_IDEMPOTENCY_KEY_LEN, MAX_LABEL_KEY_LEN, MAX_LABEL_VALUE_LEN, MAX_SCOPES_LIMIT,
+};
 use crate::error::{
     AdminError, Denial, DenialKind, ExtendError, Invalid, RefundError, ReserveError, SettleError,
 };
@@ -18,7 +20,7 @@ use crate::reservation::{
 };
 use crate::scope::{ScopeKey, ScopeSet};
 use crate::shard::{
-    GC_PER_OPERATION, Hold, NO_SLOT, Record, ScopeState, ShardState, idempotency_key,
+    GC_PER_OPERATION, Hold, HoldScope, NO_SLOT, Record, ScopeState, ShardState, idempotency_key,
 };
 use crate::units::{Amounts, Dimension, MAX_AMOUNT, Timestamp};
 
@@ -115,9 +117,13 @@ fn sat_i64(v: i128) -> i64 {
     v.clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64
 }
 
-/// Checks every limit of one scope against `requested(dim)`, keeping the
-/// binding denial in `best`. With `only_positive`, limits asked for nothing
-/// are skipped (an extend raising one dimension is not refused by another).
+/// Works out, limit by limit, why one scope refuses `requested(dim)`
+/// (its windows advanced to `now`; the fast path found some limit that does
+/// not fit), keeping the binding denial in `best`. With `only_positive`,
+/// limits asked for nothing are skipped (an extend raising one dimension is
+/// not refused by another).
+#[cold]
+#[inline(never)]
 fn check_scope(
     st: &mut ScopeState,
     scope: usize,
@@ -236,6 +242,7 @@ fn dim_field(catalog: &Catalog, prefix: &str, dim: Dimension) -> String {
 
 /// `tokens` (input + output) and `cost_micros` (from the model's prices)
 /// where the amounts do not give them.
+#[inline]
 fn derive(
     catalog: &Catalog,
     amounts: &Amounts,
@@ -254,18 +261,44 @@ fn derive(
     if !a.contains(Dimension::COST_MICROS)
         && let Some(m) = model
     {
-        match catalog.model(m) {
-            Some(price) => a.set(
-                Dimension::COST_MICROS,
-                price.cost_micros(input, cached_input, output),
-            ),
-            None => unpriced = true,
-        }
+        unpriced = !price(catalog, &mut a, m, (input, cached_input, output));
     }
     (a, unpriced)
 }
 
+/// Sets `cost_micros` from the model's prices; `false` when the model has none.
+#[inline(never)]
+fn price(
+    catalog: &Catalog,
+    a: &mut Amounts,
+    model: &str,
+    (input, cached, output): (u64, u64, u64),
+) -> bool {
+    match catalog.model(model) {
+        Some(price) => {
+            a.set(
+                Dimension::COST_MICROS,
+                price.cost_micros(input, cached, output),
+            );
+            true
+        }
+        None => false,
+    }
+}
+
+/// Every amount at most 2^53, every dimension known: the common case (no
+/// custom dimension, all in range) in a few compares, inline.
+#[inline]
 fn check_amounts(catalog: &Catalog, amounts: &Amounts, prefix: &str) -> Result<(), Invalid> {
+    if amounts.builtin_only_in_range() {
+        return Ok(());
+    }
+    check_amounts_slow(catalog, amounts, prefix)
+}
+
+#[cold]
+#[inline(never)]
+fn check_amounts_slow(catalog: &Catalog, amounts: &Amounts, prefix: &str) -> Result<(), Invalid> {
     if let Some((d, a)) = amounts.first_too_large() {
         return Err(Invalid::new(
             dim_field(catalog, prefix, d),
@@ -287,9 +320,9 @@ fn check_amounts(catalog: &Catalog, amounts: &Amounts, prefix: &str) -> Result<(
 
 /// The slot of reservation `id`'s hold in one locked shard: its home hold,
 /// or a foreign hold for the shared scopes that shard owns.
-fn hold_slot(part: &ShardState, is_home: bool, id: ReservationId) -> u32 {
+fn hold_slot_in(part: &ShardState, is_home: bool, id: ReservationId) -> u32 {
     if is_home {
-        part.records.get(&id).map_or(NO_SLOT, |r| r.hold_slot)
+        part.records.get(id).map_or(NO_SLOT, |r| r.hold_slot)
     } else {
         part.foreign.get(&id).copied().unwrap_or(NO_SLOT)
     }
@@ -306,6 +339,7 @@ impl<'a> Locked<'a> {
     }
 
     /// The locked shard that owns `key` (no routing when only one is locked).
+    #[inline(always)]
     fn scope_part(&mut self, key: &ScopeKey) -> &mut ShardState {
         if self.parts.len() == 1 {
             return &mut *self.parts[0].1;
@@ -315,6 +349,7 @@ impl<'a> Locked<'a> {
     }
 
     /// The tenant's shard (`home` is its position among the locked parts).
+    #[inline(always)]
     fn home(&mut self) -> &mut ShardState {
         let h = self.home;
         &mut *self.parts[h].1
@@ -355,29 +390,33 @@ impl<'a> Locked<'a> {
     }
 
     /// Checks `requested` against every scope; the binding denial if any.
-    /// `slots` receives each scope's slot in the shard that owns it.
+    /// `slots` receives each scope's slot in the shard that owns it (a
+    /// reservation has at most [`MAX_SCOPES_LIMIT`] scopes: checked at
+    /// reserve against `max_scopes`, which is bounded by it).
     fn check(
         &mut self,
         scopes: &ScopeSet,
         now: u64,
         requested: &impl Fn(Dimension) -> u64,
         only_positive: bool,
-        slots: &mut SmallVec<[u32; 8]>,
+        slots: &mut [u32; MAX_SCOPES_LIMIT],
     ) -> Option<Box<Denial>> {
         let catalog = self.catalog;
         let mut best: Option<Candidate> = None;
-        for (i, key) in scopes.as_slice().iter().enumerate() {
+        for ((i, key), out) in scopes.as_slice().iter().enumerate().zip(slots.iter_mut()) {
             let part = self.scope_part(key);
-            let slot = part.scope_slot(catalog, key, now);
-            slots.push(slot);
-            check_scope(
-                part.scope_at(slot),
-                i,
-                now,
-                requested,
-                only_positive,
-                &mut best,
-            );
+            let (slot, fits) = part.scope_check(catalog, key, now, requested, only_positive);
+            *out = slot;
+            if !fits {
+                check_scope(
+                    part.scope_at(slot),
+                    i,
+                    now,
+                    requested,
+                    only_positive,
+                    &mut best,
+                );
+            }
         }
         let c = best?;
         let key = &scopes.as_slice()[c.scope];
@@ -469,19 +508,17 @@ impl<'a> Locked<'a> {
                 )).into());
             }
         }
-        let tenant = req.scopes.tenant_name();
-
         // 2. Idempotency: a repeat answers the existing reservation.
         let idem = req
             .idempotency_key
             .as_ref()
-            .map(|k| idempotency_key(tenant, k));
+            .map(|k| idempotency_key(req.scopes.tenant_name(), k));
         if let Some(k) = &idem {
             let home = self.home();
             if let Some(rec) = home
                 .idempotency
                 .get(k)
-                .and_then(|rid| home.records.get(rid))
+                .and_then(|rid| home.records.get(*rid))
             {
                 let key_expired = rec.res.ended_at.is_some_and(|e| {
                     now >= e
@@ -490,7 +527,7 @@ impl<'a> Locked<'a> {
                 });
                 if !key_expired {
                     let same = rec.res.scopes.same_scopes(&req.scopes)
-                        && rec.sent == req.amounts
+                        && rec.sent.as_deref() == Some(&req.amounts)
                         && rec.res.model == req.model;
                     if !same {
                         return Err(ReserveError::IdempotencyConflict {
@@ -510,13 +547,13 @@ impl<'a> Locked<'a> {
                 }
             }
         }
-        if self.home().records.contains_key(&id) {
+        if self.home().records.contains(id) {
             return Err(ReserveError::DuplicateId);
         }
 
         // 3. Every limit of every scope.
         let requested = |d: Dimension| if d.is_implied() { 1 } else { held.get(d) };
-        let mut slots = SmallVec::new();
+        let mut slots = [NO_SLOT; MAX_SCOPES_LIMIT];
         if let Some(denial) = self.check(&req.scopes, now, &requested, false, &mut slots) {
             return Err(ReserveError::Denied(denial));
         }
@@ -554,20 +591,20 @@ impl<'a> Locked<'a> {
         let single = self.parts.len() == 1;
         for pi in 0..self.parts.len() {
             let shard = self.parts[pi].0;
-            let hold_slots: SmallVec<[u32; 4]> = req
+            let hold_scopes: SmallVec<[HoldScope; 4]> = req
                 .scopes
                 .as_slice()
                 .iter()
+                .zip(slots)
                 .enumerate()
-                .map(|(i, k)| {
-                    if single || router.of_scope(k) == shard {
-                        slots[i]
-                    } else {
-                        NO_SLOT
-                    }
+                .filter(|&(_, (k, _))| single || router.of_scope(k) == shard)
+                .map(|(i, (_, slot))| HoldScope {
+                    index: i as u8,
+                    slot,
+                    pos: NO_SLOT,
                 })
                 .collect();
-            if hold_slots.iter().all(|&s| s == NO_SLOT) {
+            if hold_scopes.is_empty() {
                 continue;
             }
             let foreign = shard != home_shard;
@@ -576,12 +613,10 @@ impl<'a> Locked<'a> {
             let slot = part.add_hold(Hold {
                 owner: id,
                 foreign,
-                scopes: req.scopes.clone(),
-                slots: hold_slots,
+                scopes: hold_scopes,
                 amounts: held.clone(),
                 expires_ms,
                 heap_pos: NO_SLOT,
-                holder_pos: SmallVec::new(),
             });
             if foreign {
                 part.foreign.insert(id, slot);
@@ -594,32 +629,31 @@ impl<'a> Locked<'a> {
         } else {
             Vec::new()
         };
-        let res = Reservation {
-            id,
-            status: Status::Held,
-            scopes: req.scopes.clone(),
-            model: req.model.clone(),
-            labels: req.labels.clone(),
-            held: held.clone(),
-            created_at: Timestamp::from_millis(now),
-            expires_at: Timestamp::from_millis(expires_ms),
-            ended_at: None,
-            charged: None,
-            late: false,
-            overrun,
-            idempotency_key: req.idempotency_key.clone(),
-        };
         let home = self.home();
-        home.records.insert(
-            id,
-            Box::new(Record {
-                res,
-                sent: req.amounts.clone(),
-                hold_slot: home_slot,
-                multi_shard,
-                drop_at: 0,
-            }),
-        );
+        let sent = idem.is_some().then(|| Box::new(req.amounts.clone()));
+        // Built inside the slab's slot: a record is a few hundred bytes.
+        home.records.insert(id, || Record {
+            res: Reservation {
+                id,
+                status: Status::Held,
+                scopes: req.scopes.clone(),
+                model: req.model.clone(),
+                labels: req.labels.clone(),
+                held: held.clone(),
+                created_at: Timestamp::from_millis(now),
+                expires_at: Timestamp::from_millis(expires_ms),
+                ended_at: None,
+                charged: None,
+                late: false,
+                overrun,
+                idempotency_key: req.idempotency_key.clone(),
+            },
+            sent,
+            hold_slot: home_slot,
+            multi_shard,
+            drop_at: 0,
+        });
+        home.multi_shard_records += usize::from(multi_shard);
         if let Some(k) = idem {
             home.idempotency.insert(k, id);
         }
@@ -635,16 +669,14 @@ impl<'a> Locked<'a> {
         })
     }
 
-    /// Releases every hold of a HELD reservation, in every locked shard.
-    fn release_all(&mut self, id: ReservationId, now: u64) {
+    /// Releases every hold of a HELD reservation (its record at slab index
+    /// `ri` in the home shard), in every locked shard.
+    fn release_all_at(&mut self, id: ReservationId, ri: u32, now: u64) {
         let home = self.home;
         for pi in 0..self.parts.len() {
             let part = &mut *self.parts[pi].1;
             if pi == home {
-                let Some(rec) = part.records.get_mut(&id) else {
-                    continue;
-                };
-                let slot = std::mem::replace(&mut rec.hold_slot, NO_SLOT);
+                let slot = std::mem::replace(&mut part.records.at_mut(ri).hold_slot, NO_SLOT);
                 if slot != NO_SLOT {
                     part.release_hold(slot, now);
                 }
@@ -654,28 +686,29 @@ impl<'a> Locked<'a> {
         }
     }
 
+    /// The home shard's record at a slab index an operation answered.
+    #[inline]
+    pub(crate) fn res_at(&self, i: u32) -> &Reservation {
+        &self.parts[self.home].1.records.at(i).res
+    }
+
+    /// Settles; answers the slab index of the reservation's record in the
+    /// home shard (read it with [`Locked::res_at`]).
     pub(crate) fn settle(
         &mut self,
         now: Timestamp,
         id: ReservationId,
         usage: &Usage,
-    ) -> Result<&Reservation, SettleError> {
+    ) -> Result<u32, SettleError> {
         let now = self.observe(now);
         let catalog = self.catalog;
-        let (status, held, model, overrun, scopes) = {
-            let rec = self.home().records.get(&id).ok_or(SettleError::NotFound)?;
-            (
-                rec.res.status,
-                rec.res.held.clone(),
-                rec.res.model.clone(),
-                rec.res.overrun,
-                // A HELD reservation's holds know their scopes' slots; only a
-                // late settle needs the names (no reference count otherwise).
-                (rec.res.status == Status::Expired).then(|| rec.res.scopes.clone()),
-            )
+        let ri = self.home().records.find(id).ok_or(SettleError::NotFound)?;
+        let (status, overrun, hold_slot) = {
+            let rec = self.home().records.at(ri);
+            (rec.res.status, rec.res.overrun, rec.hold_slot)
         };
         match status {
-            Status::Settled => return Ok(&self.home().records[&id].res),
+            Status::Settled => return Ok(ri),
             Status::Refunded => return Err(SettleError::Conflict { status }),
             Status::Held | Status::Expired => {}
         }
@@ -712,16 +745,17 @@ impl<'a> Locked<'a> {
 
         // 2. What to record: the policy per dimension, tokens derived again,
         //    then tool charges, never capped.
-        let (actual, _) = derive(
-            catalog,
-            &usage.amounts,
-            model.as_deref(),
-            usage.cached_input_tokens,
-        );
-        let mut charged: Amounts = actual
-            .iter()
-            .map(|(d, a)| (d, overrun.charge(held.get(d), a)))
-            .collect();
+        let mut charged = {
+            let res = &self.home().records.at(ri).res;
+            let (actual, _) = derive(
+                catalog,
+                &usage.amounts,
+                res.model.as_deref(),
+                usage.cached_input_tokens,
+            );
+            let held = &res.held;
+            actual.map_with(held, |a, h| overrun.charge(h, a))
+        };
         if !usage.amounts.contains(Dimension::TOKENS) {
             let t = charged
                 .get(Dimension::INPUT_TOKENS)
@@ -738,16 +772,25 @@ impl<'a> Locked<'a> {
 
         // 3. Nothing can fail past this point.
         if status == Status::Held {
-            // The holds know their scopes' slots: record there, then release.
+            // The holds know their scopes' slots: record there and release,
+            // in one pass over each hold's scopes.
+            let home = self.home;
             for pi in 0..self.parts.len() {
                 let part = &mut *self.parts[pi].1;
-                let slot = hold_slot(part, pi == self.home, id);
+                let slot = if pi == home {
+                    part.records.at_mut(ri).hold_slot = NO_SLOT;
+                    hold_slot
+                } else {
+                    part.foreign.remove(&id).unwrap_or(NO_SLOT)
+                };
                 if slot != NO_SLOT {
-                    part.record_on_hold(catalog, slot, now, &charged);
+                    part.release_hold_recording(slot, now, Some((catalog, &charged)));
                 }
             }
-            self.release_all(id, now);
-        } else if let Some(scopes) = &scopes {
+        } else {
+            // A late settle: the holds are gone, so the scopes are found by
+            // name (the only settle that clones the scope set).
+            let scopes = self.home().records.at(ri).res.scopes.clone();
             for key in scopes.as_slice() {
                 self.scope_part(key)
                     .scope_mut(catalog, key, now)
@@ -755,51 +798,44 @@ impl<'a> Locked<'a> {
             }
         }
         let home = self.home();
-        let rec = home.records.get_mut(&id).expect("looked up above");
+        let rec = home.records.at_mut(ri);
         rec.res.status = Status::Settled;
         rec.res.late = status == Status::Expired;
         rec.res.ended_at = Some(Timestamp::from_millis(now));
         rec.res.charged = Some(charged);
-        home.schedule_drop(catalog, id, now);
-        Ok(&self.home().records[&id].res)
+        home.schedule_drop_at(catalog, ri, now);
+        Ok(ri)
     }
 
-    pub(crate) fn refund(
-        &mut self,
-        now: Timestamp,
-        id: ReservationId,
-    ) -> Result<&Reservation, RefundError> {
+    /// Refunds; answers the slab index of the record (see [`Locked::settle`]).
+    pub(crate) fn refund(&mut self, now: Timestamp, id: ReservationId) -> Result<u32, RefundError> {
         let now = self.observe(now);
-        let status = self
-            .home()
-            .records
-            .get(&id)
-            .ok_or(RefundError::NotFound)?
-            .res
-            .status;
+        let ri = self.home().records.find(id).ok_or(RefundError::NotFound)?;
+        let status = self.home().records.at(ri).res.status;
         match status {
             Status::Settled => return Err(RefundError::Conflict { status }),
             Status::Refunded | Status::Expired => {}
             Status::Held => {
-                self.release_all(id, now);
+                self.release_all_at(id, ri, now);
                 let catalog = self.catalog;
                 let home = self.home();
-                let rec = home.records.get_mut(&id).expect("looked up above");
+                let rec = home.records.at_mut(ri);
                 rec.res.status = Status::Refunded;
                 rec.res.ended_at = Some(Timestamp::from_millis(now));
-                home.schedule_drop(catalog, id, now);
+                home.schedule_drop_at(catalog, ri, now);
             }
         }
-        Ok(&self.home().records[&id].res)
+        Ok(ri)
     }
 
+    /// Extends; answers the slab index of the record (see [`Locked::settle`]).
     pub(crate) fn extend(
         &mut self,
         now: Timestamp,
         id: ReservationId,
         amounts: Option<&Amounts>,
         ttl_ms: Option<u64>,
-    ) -> Result<&Reservation, ExtendError> {
+    ) -> Result<u32, ExtendError> {
         let now = self.observe(now);
         let catalog = self.catalog;
         let settings = catalog.settings();
@@ -818,8 +854,9 @@ impl<'a> Locked<'a> {
         if let Some(a) = amounts {
             check_amounts(catalog, a, "amounts")?;
         }
+        let ri = self.home().records.find(id).ok_or(ExtendError::NotFound)?;
         let (status, model, scopes) = {
-            let rec = self.home().records.get(&id).ok_or(ExtendError::NotFound)?;
+            let rec = self.home().records.at(ri);
             (
                 rec.res.status,
                 rec.res.model.clone(),
@@ -835,7 +872,7 @@ impl<'a> Locked<'a> {
         };
         if !delta.is_empty() {
             let requested = |d: Dimension| if d.is_implied() { 0 } else { delta.get(d) };
-            let mut slots = SmallVec::new();
+            let mut slots = [NO_SLOT; MAX_SCOPES_LIMIT];
             if let Some(denial) = self.check(&scopes, now, &requested, true, &mut slots) {
                 return Err(ExtendError::Denied(denial));
             }
@@ -846,7 +883,7 @@ impl<'a> Locked<'a> {
         let home = self.home;
         for pi in 0..self.parts.len() {
             let part = &mut *self.parts[pi].1;
-            let slot = hold_slot(part, pi == home, id);
+            let slot = hold_slot_in(part, pi == home, id);
             if slot == NO_SLOT {
                 continue;
             }
@@ -857,17 +894,19 @@ impl<'a> Locked<'a> {
                 part.move_hold(slot, e);
             }
         }
-        let rec = self.home().records.get_mut(&id).expect("looked up above");
+        let rec = self.home().records.at_mut(ri);
         rec.res.held.add(&delta);
         if let Some(e) = new_expiry {
             rec.res.expires_at = Timestamp::from_millis(e);
         }
-        Ok(&self.home().records[&id].res)
+        Ok(ri)
     }
 
-    pub(crate) fn get(&mut self, now: Timestamp, id: ReservationId) -> Option<&Reservation> {
+    /// A reservation as of `now` (expiry observed): the slab index of its
+    /// record (see [`Locked::settle`]).
+    pub(crate) fn get(&mut self, now: Timestamp, id: ReservationId) -> Option<u32> {
         self.observe(now);
-        self.home().records.get(&id).map(|r| &r.res)
+        self.home().records.find(id)
     }
 
     pub(crate) fn status(&mut self, now: Timestamp, key: &ScopeKey) -> ScopeStatus {
@@ -876,16 +915,21 @@ impl<'a> Locked<'a> {
         let part = self.scope_part(key);
         // A scope never used answers its plan with zero use, and is not created.
         let mut fresh;
-        let slot = part.index.get(key).copied();
+        let slot = part.slot_of(key);
         let st = match slot {
             Some(slot) => {
                 let st = part.scope_at(slot);
-                st.sync(catalog, key);
+                st.sync(catalog);
                 st.advance(now);
                 st
             }
             None => {
-                fresh = ScopeState::new(catalog.plan_for(key).clone(), catalog.epoch(), now);
+                fresh = ScopeState::new(
+                    key.clone(),
+                    catalog.plan_for(key).clone(),
+                    catalog.epoch(),
+                    now,
+                );
                 &mut fresh
             }
         };

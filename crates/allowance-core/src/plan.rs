@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use crate::error::Invalid;
-use crate::limit::Limit;
+use crate::limit::{Fast, Limit};
 use crate::units::Dimension;
 use crate::window;
 
@@ -58,6 +58,75 @@ impl OverrunPolicy {
     }
 }
 
+/// What a scope's hot loops read of one limit, packed together (an array
+/// of these is half the size of the limits, with the offsets inline).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Hot {
+    pub(crate) fast: Fast,
+    pub(crate) capacity: u64,
+    /// Where the limit's state starts in a scope's state words.
+    pub(crate) at: u32,
+    pub(crate) dim: Dimension,
+}
+
+/// A limit as the per-kind hot loops read it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct KindLimit {
+    pub(crate) dim: Dimension,
+    /// Its position in the plan (for the rare paths that need the `Limit`).
+    pub(crate) index: u16,
+    /// Where its state starts in a scope's state words.
+    pub(crate) at: u32,
+    pub(crate) capacity: u64,
+    /// A bucket's period (a sliding window's slice width, unread).
+    pub(crate) ms: u64,
+}
+
+/// A plan's limits grouped by window kind: a loop over one kind runs the
+/// same few instructions for every limit, with no dispatch on the kind.
+/// The order within the plan matters only to tell which denial is
+/// reported, which the refused path works out limit by limit in plan order.
+#[derive(Debug, Default)]
+pub(crate) struct ByKind {
+    pub(crate) buckets: Box<[KindLimit]>,
+    pub(crate) sliding: Box<[KindLimit]>,
+    pub(crate) concurrent: Box<[KindLimit]>,
+    /// Calendar and total limits: per limit, through [`Hot`].
+    pub(crate) other: Box<[KindLimit]>,
+}
+
+impl ByKind {
+    fn new(hot: &[Hot]) -> ByKind {
+        let mut k = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (i, h) in hot.iter().enumerate() {
+            let ms = match h.fast {
+                Fast::Sliding { width_ms, .. } => width_ms,
+                Fast::Bucket { period_ms } => period_ms,
+                _ => 0,
+            };
+            let l = KindLimit {
+                dim: h.dim,
+                index: i as u16,
+                at: h.at,
+                capacity: h.capacity,
+                ms,
+            };
+            match h.fast {
+                Fast::Bucket { .. } => k.0.push(l),
+                Fast::Sliding { .. } => k.1.push(l),
+                Fast::Concurrent => k.2.push(l),
+                Fast::Calendar | Fast::Total => k.3.push(l),
+            }
+        }
+        ByKind {
+            buckets: k.0.into(),
+            sliding: k.1.into(),
+            concurrent: k.2.into(),
+            other: k.3.into(),
+        }
+    }
+}
+
 /// A named list of limits: a tier (`free`, `plus`, `enterprise`), or the
 /// limits given to one scope by an override.
 #[derive(Debug)]
@@ -68,6 +137,10 @@ pub struct Plan {
     queue_weight: u32,
     /// Where each limit's state starts in a scope's state words.
     pub(crate) offsets: Box<[u32]>,
+    /// What the hot loops read of each limit, in plan order, in one array.
+    pub(crate) hot: Box<[Hot]>,
+    /// The same, grouped by window kind.
+    pub(crate) by_kind: ByKind,
     /// Words of state a scope on this plan needs (a timestamp first).
     pub(crate) words: u32,
 }
@@ -132,7 +205,20 @@ impl Plan {
             offsets.push(words);
             words += window::words_for(l.window()) as u32;
         }
+        let hot = limits
+            .iter()
+            .zip(&offsets)
+            .map(|(l, &at)| Hot {
+                fast: l.fast,
+                capacity: l.capacity(),
+                at,
+                dim: l.dimension(),
+            })
+            .collect();
+        let hot: Box<[Hot]> = hot;
         Ok(Arc::new(Plan {
+            by_kind: ByKind::new(&hot),
+            hot,
             name: name.into(),
             limits: limits.into(),
             overrun,

@@ -6,9 +6,10 @@
 //! Kinds match `[a-z][a-z0-9_-]{0,31}`, ids `[A-Za-z0-9._~@+=-]{1,128}`.
 
 use std::borrow::Borrow;
+use std::cmp::Ordering;
 use std::fmt;
-use std::hash::{Hash, Hasher};
-use std::sync::Arc;
+use std::hash::{BuildHasher, Hash, Hasher};
+use std::sync::{Arc, LazyLock};
 
 use crate::error::Invalid;
 
@@ -41,10 +42,43 @@ pub fn valid_id(id: &str) -> bool {
 
 /// A canonical scope name, cheap to clone (one reference count).
 ///
-/// Equality and hashing are those of the canonical string, so maps keyed by
-/// `ScopeKey` can be searched with a `&str`.
-#[derive(Clone, PartialEq, Eq, PartialOrd, Ord)]
-pub struct ScopeKey(Arc<str>);
+/// Equality, order and hashing are those of the canonical string, so maps
+/// keyed by `ScopeKey` can be searched with a `&str`.
+#[derive(Clone)]
+pub struct ScopeKey {
+    name: Arc<str>,
+    /// The name's hash under this process's random seed, made once with
+    /// the key: the ledger's scope index uses it, so an operation on a
+    /// request's scopes hashes no name (requests and their keys are built
+    /// once and reused).
+    hash: u64,
+}
+
+/// The seed of [`ScopeKey`]'s hashes: random per process, so that names a
+/// tenant chooses cannot aim at collisions.
+static NAME_HASHER: LazyLock<foldhash::fast::RandomState> = LazyLock::new(Default::default);
+
+impl PartialEq for ScopeKey {
+    #[inline]
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.name, &other.name)
+            || (self.hash == other.hash && *self.name == *other.name)
+    }
+}
+
+impl Eq for ScopeKey {}
+
+impl PartialOrd for ScopeKey {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for ScopeKey {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.name.cmp(&other.name)
+    }
+}
 
 impl ScopeKey {
     /// The tenant scope `tenant:{tenant}`.
@@ -55,7 +89,9 @@ impl ScopeKey {
                 format!("invalid tenant {tenant:?}: expected [A-Za-z0-9._~@+=-]{{1,128}}"),
             ));
         }
-        Ok(ScopeKey(format!("{TENANT_KIND}:{tenant}").into()))
+        Ok(ScopeKey::from_name(
+            format!("{TENANT_KIND}:{tenant}").into(),
+        ))
     }
 
     /// A scope of `kind` inside `tenant` (`tenant:{tenant}/{kind}:{id}`), or a
@@ -87,12 +123,12 @@ impl ScopeKey {
             ));
         }
         if shared {
-            return Ok(ScopeKey(format!("{kind}:{id}").into()));
+            return Ok(ScopeKey::from_name(format!("{kind}:{id}").into()));
         }
         if !valid_id(tenant) {
             return Err(Invalid::new("tenant", format!("invalid tenant {tenant:?}")));
         }
-        Ok(ScopeKey(
+        Ok(ScopeKey::from_name(
             format!("{TENANT_KIND}:{tenant}/{kind}:{id}").into(),
         ))
     }
@@ -116,40 +152,52 @@ impl ScopeKey {
                 return Err(bad());
             }
         }
-        Ok(ScopeKey(name.into()))
+        Ok(ScopeKey::from_name(name.into()))
+    }
+
+    /// A key for a name already checked.
+    fn from_name(name: Arc<str>) -> ScopeKey {
+        let hash = NAME_HASHER.hash_one(&*name);
+        ScopeKey { name, hash }
+    }
+
+    /// The name's hash for the ledger's scope index (see the field).
+    #[inline]
+    pub(crate) fn index_hash(&self) -> u64 {
+        self.hash
     }
 
     /// The canonical name.
     pub fn as_str(&self) -> &str {
-        &self.0
+        &self.name
     }
 
     /// The scope's kind (`tenant`, `user`, `tool`…).
     pub fn kind(&self) -> &str {
-        let last = self.0.rsplit('/').next().unwrap_or(&self.0);
+        let last = self.name.rsplit('/').next().unwrap_or(&self.name);
         last.split(':').next().unwrap_or(last)
     }
 
     /// The scope's id within its kind.
     pub fn id(&self) -> &str {
-        let last = self.0.rsplit('/').next().unwrap_or(&self.0);
+        let last = self.name.rsplit('/').next().unwrap_or(&self.name);
         last.split_once(':').map_or("", |(_, id)| id)
     }
 
     /// The tenant a tenant-namespaced scope belongs to; `None` for a shared scope.
     pub fn tenant_name(&self) -> Option<&str> {
-        let rest = self.0.strip_prefix("tenant:")?;
+        let rest = self.name.strip_prefix("tenant:")?;
         Some(rest.split('/').next().unwrap_or(rest))
     }
 
     /// Whether this is a tenant scope itself (`tenant:acme`).
     pub fn is_tenant(&self) -> bool {
-        self.0.starts_with("tenant:") && !self.0.contains('/')
+        self.name.starts_with("tenant:") && !self.name.contains('/')
     }
 
     /// Whether this is a global scope of a shared kind.
     pub fn is_shared(&self) -> bool {
-        !self.0.starts_with("tenant:")
+        !self.name.starts_with("tenant:")
     }
 }
 
@@ -167,19 +215,19 @@ impl From<&ScopeKey> for ScopeKey {
 
 impl Borrow<str> for ScopeKey {
     fn borrow(&self) -> &str {
-        &self.0
+        &self.name
     }
 }
 
 impl fmt::Debug for ScopeKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(&*self.0, f)
+        fmt::Debug::fmt(&*self.name, f)
     }
 }
 
 impl fmt::Display for ScopeKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(&self.name)
     }
 }
 

@@ -13,14 +13,16 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::sync::Arc;
 
 use foldhash::fast::RandomState;
+use hashbrown::HashTable;
 use smallvec::SmallVec;
 
 use crate::catalog::Catalog;
 use crate::heap::{Entry, IndexedHeap};
 use crate::limit::Limit;
-use crate::plan::Plan;
+use crate::plan::{KindLimit, Plan};
+use crate::records::Records;
 use crate::reservation::{Reservation, ReservationId, Status};
-use crate::scope::{ScopeKey, ScopeSet};
+use crate::scope::ScopeKey;
 use crate::units::{Amounts, Dimension};
 use crate::window::{self, State};
 
@@ -42,9 +44,12 @@ pub(crate) struct Extra {
     pub(crate) wide: SmallVec<[(u8, Box<[u64]>); 1]>,
 }
 
-/// One scope: its windows' state words and its holds.
+/// One scope: its name, its windows' state words and its holds.
 #[derive(Debug)]
 pub(crate) struct ScopeState {
+    /// Its canonical name: the scope index, holds and the idle-scope queue
+    /// refer to the scope by slot, and find the name here.
+    pub(crate) key: ScopeKey,
     /// `[0]` is the instant every window was last advanced to; then each
     /// limit's words at the plan's offsets.
     pub(crate) words: Box<[u64]>,
@@ -59,8 +64,9 @@ pub(crate) struct ScopeState {
 
 impl ScopeState {
     /// A scope with no history, its windows set up at `now_ms`.
-    pub(crate) fn new(plan: Arc<Plan>, epoch: u64, now_ms: u64) -> Self {
+    pub(crate) fn new(key: ScopeKey, plan: Arc<Plan>, epoch: u64, now_ms: u64) -> Self {
         let mut st = ScopeState {
+            key,
             words: vec![0; plan.words as usize].into(),
             plan,
             epoch,
@@ -86,12 +92,18 @@ impl ScopeState {
 
     /// Moves the scope to the catalog's current plan if it changed,
     /// keeping the history of every limit whose dimension and window stay.
-    pub(crate) fn sync(&mut self, catalog: &Catalog, key: &ScopeKey) {
-        if self.epoch == catalog.epoch() {
-            return;
+    #[inline]
+    pub(crate) fn sync(&mut self, catalog: &Catalog) {
+        if self.epoch != catalog.epoch() {
+            self.resync(catalog);
         }
+    }
+
+    /// [`ScopeState::sync`] once the catalog changed (off the hot path).
+    #[cold]
+    fn resync(&mut self, catalog: &Catalog) {
         self.epoch = catalog.epoch();
-        let plan = catalog.plan_for(key);
+        let plan = catalog.plan_for(&self.key);
         if Arc::ptr_eq(plan, &self.plan) {
             return;
         }
@@ -167,16 +179,141 @@ impl ScopeState {
     /// Advances every window to `now_ms`.
     #[inline]
     pub(crate) fn advance(&mut self, now_ms: u64) {
-        let from = self.words[0];
-        // Every window is set up at `from` (see `set_up`): the same instant
-        // changes nothing.
-        if now_ms <= from {
-            return;
+        // Every window is set up at `words[0]` (see `set_up`): the same
+        // instant changes nothing (a settle right after its reserve).
+        if now_ms > self.words[0] {
+            self.advance_from(now_ms);
         }
-        for i in 0..self.plan.limits().len() {
-            self.state(i).advance(from, now_ms);
+    }
+
+    /// [`ScopeState::advance`] when time moved.
+    fn advance_from(&mut self, now_ms: u64) {
+        let from = self.words[0];
+        if self.wide_mask == 0 {
+            let ScopeState { words, plan, .. } = self;
+            for (i, h) in plan.hot.iter().enumerate() {
+                let w = &mut words[h.at as usize..];
+                window::advance_narrow((h.fast, h.capacity), (plan.limits(), i), w, from, now_ms);
+            }
+        } else {
+            for i in 0..self.plan.limits().len() {
+                self.state(i).advance(from, now_ms);
+            }
         }
         self.words[0] = now_ms;
+    }
+
+    /// Advances every window to `now_ms` and answers whether
+    /// `requested(dim)` more fits under every limit: reserve's walk over a
+    /// scope, both in one pass. With `only_positive`, limits asked for
+    /// nothing pass.
+    #[inline]
+    pub(crate) fn advance_and_fit(
+        &mut self,
+        now_ms: u64,
+        requested: &impl Fn(Dimension) -> u64,
+        only_positive: bool,
+    ) -> bool {
+        let from = self.words[0];
+        let moved = now_ms > from;
+        if self.wide_mask != 0 {
+            self.advance(now_ms);
+            return self.fits_all(requested, only_positive);
+        }
+        let ScopeState {
+            words,
+            plan,
+            extra,
+            held_count,
+            ..
+        } = self;
+        let held = extra.as_ref().map(|e| &e.held);
+        let held_of = |dim: Dimension| {
+            if dim.is_implied() {
+                u64::from(*held_count)
+            } else {
+                held.map_or(0, |a| a.get(dim))
+            }
+        };
+        // Whether limit `l` has room for what is asked of it, by `test`.
+        let passes = |l: &KindLimit, test: &dyn Fn(u64) -> bool| {
+            let req = requested(l.dim);
+            (only_positive && req == 0)
+                || window::room(l.capacity, held_of(l.dim), req).is_some_and(test)
+        };
+        let elapsed = if moved { now_ms - from } else { 0 };
+        let k = &plan.by_kind;
+        let mut ok = true;
+        for l in k.buckets.iter() {
+            let d = window::bucket_refill(&mut words[l.at as usize..], l.capacity, elapsed);
+            ok = ok && passes(l, &|room| window::bucket_fits(d, room, l.ms));
+        }
+        for l in k.sliding.iter() {
+            let at = l.at as usize;
+            if moved && now_ms >= words[at + 1] {
+                let h = &plan.hot[usize::from(l.index)];
+                window::advance_narrow(
+                    (h.fast, h.capacity),
+                    (plan.limits(), usize::from(l.index)),
+                    &mut words[at..],
+                    from,
+                    now_ms,
+                );
+            }
+            // The window's total is its first word.
+            let total = words[at];
+            ok = ok && passes(l, &|room| total <= room);
+        }
+        for l in k.concurrent.iter() {
+            ok = ok && passes(l, &|_| true);
+        }
+        for l in k.other.iter() {
+            let h = &plan.hot[usize::from(l.index)];
+            let w = &mut words[l.at as usize..];
+            if moved {
+                window::advance_narrow(
+                    (h.fast, h.capacity),
+                    (plan.limits(), usize::from(l.index)),
+                    w,
+                    from,
+                    now_ms,
+                );
+            }
+            let w = &words[l.at as usize..];
+            ok = ok && passes(l, &|room| window::fits(h.fast, room, w, 0, 0));
+        }
+        if moved {
+            words[0] = now_ms;
+        }
+        ok
+    }
+
+    /// Whether `requested(dim)` more fits under every limit (the hot path of
+    /// a check: the refused case is worked out limit by limit by the
+    /// caller). With `only_positive`, limits asked for nothing pass.
+    #[inline]
+    pub(crate) fn fits_all(
+        &self,
+        requested: &impl Fn(Dimension) -> u64,
+        only_positive: bool,
+    ) -> bool {
+        let held = self.extra.as_ref().map(|e| &e.held);
+        for h in self.plan.hot.iter() {
+            let dim = h.dim;
+            let req = requested(dim);
+            if only_positive && req == 0 {
+                continue;
+            }
+            let held = if dim.is_implied() {
+                u64::from(self.held_count)
+            } else {
+                held.map_or(0, |a| a.get(dim))
+            };
+            if !window::fits(h.fast, h.capacity, &self.words[h.at as usize..], req, held) {
+                return false;
+            }
+        }
+        true
     }
 
     /// Held amount of `dim` on this scope.
@@ -212,16 +349,59 @@ impl ScopeState {
     }
 
     /// Records a settle's charged amounts on every limit (`requests` = 1).
+    #[inline]
     pub(crate) fn record_all(&mut self, now_ms: u64, charged: &Amounts) {
-        for li in 0..self.plan.limits().len() {
-            let amount = match self.plan.limits()[li].dimension() {
-                Dimension::REQUESTS => 1,
-                Dimension::CONCURRENT => 0,
-                d => charged.get(d),
-            };
-            if amount > 0 {
-                self.record(li, now_ms, amount);
+        // `requests` is 1 per settle; the `concurrent` gauge records nothing.
+        let row = charged.builtin_row(1, 0);
+        let amount_of = |dim: Dimension| match row.get(dim.index()) {
+            Some(&a) => a,
+            None => charged.get(dim),
+        };
+        if self.wide_mask == 0 {
+            let ScopeState { words, plan, .. } = self;
+            let k = &plan.by_kind;
+            let mut slow: u32 = 0;
+            for l in k.buckets.iter() {
+                let amount = amount_of(l.dim);
+                if amount != 0 {
+                    window::bucket_record(&mut words[l.at as usize..], amount, l.ms);
+                }
             }
+            // `concurrent` records nothing.
+            for l in k.sliding.iter().chain(k.other.iter()) {
+                let amount = amount_of(l.dim);
+                let fast = plan.hot[usize::from(l.index)].fast;
+                if amount != 0
+                    && !window::record_narrow(fast, &mut words[l.at as usize..], now_ms, amount)
+                {
+                    slow |= 1 << l.index;
+                }
+            }
+            if slow != 0 {
+                self.record_slow(slow, now_ms, charged);
+            }
+        } else {
+            self.record_slow(u32::MAX, now_ms, charged);
+        }
+    }
+
+    /// Records on the limits in `mask` one by one (wide slices, or a slice
+    /// about to outgrow 32 bits): the rest of [`ScopeState::record_all`].
+    #[cold]
+    #[inline(never)]
+    fn record_slow(&mut self, mut mask: u32, now_ms: u64, charged: &Amounts) {
+        for (i, limit) in self.plan.clone().limits().iter().enumerate() {
+            if mask & 1 != 0 {
+                let amount = match limit.dimension() {
+                    Dimension::REQUESTS => 1,
+                    Dimension::CONCURRENT => 0,
+                    d => charged.get(d),
+                };
+                if amount > 0 {
+                    self.record(i, now_ms, amount);
+                }
+            }
+            mask >>= 1;
         }
     }
 
@@ -256,46 +436,39 @@ impl ScopeState {
     }
 }
 
+/// One of a hold's scopes that this shard owns.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct HoldScope {
+    /// Its position in the reservation's scopes (the tenant is 0).
+    pub(crate) index: u8,
+    /// Its slot in this shard's scope table. Valid while the hold lives: a
+    /// scope with holds is never dropped.
+    pub(crate) slot: u32,
+    /// Where the hold's entry sits in the scope's holder heap.
+    pub(crate) pos: u32,
+}
+
 /// A hold of one reservation on the scopes of one shard.
 #[derive(Debug)]
 pub(crate) struct Hold {
     pub(crate) owner: ReservationId,
     /// Whether the reservation lives in another shard.
     pub(crate) foreign: bool,
-    pub(crate) scopes: ScopeSet,
-    /// For each of `scopes`, its slot in this shard's scope table, or
-    /// `NO_SLOT` when another shard owns it. Slots stay valid while the hold
-    /// lives: a scope with holds is never dropped.
-    pub(crate) slots: SmallVec<[u32; 4]>,
+    /// The scopes this shard owns (each scope's holder-heap entry is tagged
+    /// with its position here).
+    pub(crate) scopes: SmallVec<[HoldScope; 4]>,
     pub(crate) amounts: Amounts,
     pub(crate) expires_ms: u64,
     pub(crate) heap_pos: u32,
-    /// Position in each local scope's holder heap, by scope index.
-    pub(crate) holder_pos: SmallVec<[u32; 4]>,
-}
-
-impl Hold {
-    /// The local scopes: (index in the set, slot).
-    pub(crate) fn local_slots(&self) -> impl Iterator<Item = (usize, u32)> + '_ {
-        self.slots
-            .iter()
-            .copied()
-            .enumerate()
-            .filter(|&(_, s)| s != NO_SLOT)
-    }
-
-    pub(crate) fn local_scopes(&self) -> impl Iterator<Item = (usize, &ScopeKey)> + '_ {
-        self.local_slots()
-            .map(|(i, _)| (i, &self.scopes.as_slice()[i]))
-    }
 }
 
 /// A reservation as stored.
 #[derive(Debug)]
 pub(crate) struct Record {
     pub(crate) res: Reservation,
-    /// Amounts as sent (for idempotent replays).
-    pub(crate) sent: Amounts,
+    /// Amounts as sent, for idempotent replays: kept only with an
+    /// idempotency key (nothing else reads them).
+    pub(crate) sent: Option<Box<Amounts>>,
     /// Its hold in this shard while HELD.
     pub(crate) hold_slot: u32,
     /// Whether some of its scopes live in other shards.
@@ -307,15 +480,13 @@ pub(crate) struct Record {
 /// Everything one shard owns.
 #[derive(Debug, Default)]
 pub(crate) struct ShardState {
-    /// Scope name → slot in `scopes`: one hash per scope per operation;
-    /// holds and the rest of the operation use the slot.
-    pub(crate) index: hashbrown::HashMap<ScopeKey, u32, RandomState>,
+    /// Scope name → slot in `scopes` (the name itself lives in the scope's
+    /// state): one hash per scope per operation; holds and the rest of the
+    /// operation use the slot.
+    pub(crate) index: HashTable<u32>,
     pub(crate) scopes: Vec<Option<ScopeState>>,
     pub(crate) free_scopes: Vec<u32>,
-    /// Boxed: the map stays small and dense (hot in cache), and the record
-    /// forgotten a retention ago frees the very block the next reserve's
-    /// record reuses, so the new record is written to warm memory.
-    pub(crate) records: HashMap<ReservationId, Box<Record>, RandomState>,
+    pub(crate) records: Records,
     pub(crate) holds: Vec<Option<Hold>>,
     pub(crate) free_slots: Vec<u32>,
     pub(crate) foreign: HashMap<ReservationId, u32, RandomState>,
@@ -323,11 +494,18 @@ pub(crate) struct ShardState {
     pub(crate) idempotency: HashMap<Box<str>, ReservationId, RandomState>,
     pub(crate) ended: VecDeque<(u64, ReservationId)>,
     pub(crate) ended_keyed: VecDeque<(u64, ReservationId)>,
-    pub(crate) gc: BinaryHeap<Reverse<(u64, ScopeKey)>>,
+    /// Scopes to look at for idleness: (when, slot). A scope is queued at
+    /// most once (`gc_queued`) and only its own entry drops it, so a slot
+    /// here always names the scope that was queued.
+    pub(crate) gc: BinaryHeap<Reverse<(u64, u32)>>,
     /// The latest instant this shard has seen: time never goes backwards here.
     pub(crate) now_ms: u64,
     /// Reservations expired in this shard (their home): a counter for metrics.
     pub(crate) expired_count: u64,
+    /// Records of reservations with scopes in other shards: while there
+    /// are none, a settle or refund needs no lookup to know it locks only
+    /// this shard.
+    pub(crate) multi_shard_records: usize,
 }
 
 /// A shard: its configuration and its state.
@@ -360,53 +538,132 @@ fn set_heap_pos(holds: &mut [Option<Hold>]) -> impl FnMut(u32, u8, u32) + '_ {
 
 fn set_holder_pos(holds: &mut [Option<Hold>]) -> impl FnMut(u32, u8, u32) + '_ {
     move |slot, tag, pos| {
-        if let Some(Some(h)) = holds.get_mut(slot as usize) {
-            h.holder_pos[usize::from(tag)] = pos;
+        if let Some(Some(h)) = holds.get_mut(slot as usize)
+            && let Some(hs) = h.scopes.get_mut(usize::from(tag))
+        {
+            hs.pos = pos;
         }
     }
 }
 
+#[inline]
 fn live(scopes: &mut [Option<ScopeState>], slot: u32) -> &mut ScopeState {
     scopes[slot as usize]
         .as_mut()
         .expect("a scope slot held by a live hold")
 }
 
+/// The hash of a scope name in a shard's index: made with the key, once.
+#[inline]
+fn name_hash(key: &ScopeKey) -> u64 {
+    key.index_hash()
+}
+
+/// What a released hold was: its owner, whether it was foreign, and when
+/// it was due to expire.
+pub(crate) type Released = (ReservationId, bool, u64);
+
 impl ShardState {
+    /// The slot of an existing scope.
+    #[inline]
+    pub(crate) fn slot_of(&self, key: &ScopeKey) -> Option<u32> {
+        let scopes = &self.scopes;
+        self.index
+            .find(
+                name_hash(key),
+                |&s| matches!(&scopes[s as usize], Some(st) if st.key == *key),
+            )
+            .copied()
+    }
+
     /// The scope's slot, its state created fresh if absent, on its current
     /// plan and advanced to `now_ms`.
+    #[inline]
     pub(crate) fn scope_slot(&mut self, catalog: &Catalog, key: &ScopeKey, now_ms: u64) -> u32 {
-        let ShardState {
-            index,
-            scopes,
-            free_scopes,
-            gc,
-            ..
-        } = self;
-        let slot = *index.entry_ref(key).or_insert_with(|| {
-            let st = ScopeState::new(catalog.plan_for(key).clone(), catalog.epoch(), now_ms);
-            match free_scopes.pop() {
-                Some(s) => {
-                    scopes[s as usize] = Some(st);
-                    s
-                }
-                None => {
-                    scopes.push(Some(st));
-                    (scopes.len() - 1) as u32
-                }
-            }
-        });
+        let slot = self.find_or_add(catalog, key, now_ms);
+        let ShardState { scopes, gc, .. } = self;
         let st = live(scopes, slot);
-        st.sync(catalog, key);
+        st.sync(catalog);
         st.advance(now_ms);
         if !st.gc_queued && st.held_count == 0 {
             st.gc_queued = true;
-            gc.push(Reverse((now_ms, key.clone())));
+            gc.push(Reverse((now_ms, slot)));
         }
         slot
     }
 
+    /// The scope's slot, its state created fresh (set up at `now_ms`) if
+    /// absent.
+    #[inline]
+    fn find_or_add(&mut self, catalog: &Catalog, key: &ScopeKey, now_ms: u64) -> u32 {
+        let hash = name_hash(key);
+        let ShardState {
+            index,
+            scopes,
+            free_scopes,
+            ..
+        } = self;
+        let found = index
+            .find(
+                hash,
+                |&s| matches!(&scopes[s as usize], Some(st) if st.key == *key),
+            )
+            .copied();
+        match found {
+            Some(s) => s,
+            None => {
+                let st = ScopeState::new(
+                    key.clone(),
+                    catalog.plan_for(key).clone(),
+                    catalog.epoch(),
+                    now_ms,
+                );
+                let s = match free_scopes.pop() {
+                    Some(s) => {
+                        scopes[s as usize] = Some(st);
+                        s
+                    }
+                    None => {
+                        scopes.push(Some(st));
+                        (scopes.len() - 1) as u32
+                    }
+                };
+                let scopes = &*scopes;
+                index.insert_unique(hash, s, |&j| {
+                    scopes[j as usize]
+                        .as_ref()
+                        .map_or(0, |st| name_hash(&st.key))
+                });
+                s
+            }
+        }
+    }
+
+    /// [`ShardState::scope_slot`] and whether `requested(dim)` more fits
+    /// under every limit of the scope ([`ScopeState::advance_and_fit`]).
+    #[inline]
+    pub(crate) fn scope_check(
+        &mut self,
+        catalog: &Catalog,
+        key: &ScopeKey,
+        now_ms: u64,
+        requested: &impl Fn(Dimension) -> u64,
+        only_positive: bool,
+    ) -> (u32, bool) {
+        let slot = self.find_or_add(catalog, key, now_ms);
+        let ShardState { scopes, gc, .. } = self;
+        let st = live(scopes, slot);
+        st.sync(catalog);
+        let fits = st.advance_and_fit(now_ms, requested, only_positive);
+        if !st.gc_queued && st.held_count == 0 {
+            st.gc_queued = true;
+            gc.push(Reverse((now_ms, slot)));
+        }
+        (slot, fits)
+    }
+
     /// The state in a slot.
+    #[inline]
     pub(crate) fn scope_at(&mut self, slot: u32) -> &mut ScopeState {
         live(&mut self.scopes, slot)
     }
@@ -422,14 +679,8 @@ impl ShardState {
         self.scope_at(slot)
     }
 
-    /// The state of an existing scope, without touching it.
-    pub(crate) fn scope_get(&self, key: &ScopeKey) -> Option<&ScopeState> {
-        let slot = *self.index.get(key)?;
-        self.scopes.get(slot as usize)?.as_ref()
-    }
-
     /// Adds a hold on this shard's scopes (their slots, from the check, are
-    /// in `hold.slots`). Returns its slot.
+    /// in `hold.scopes`). Returns its slot.
     pub(crate) fn add_hold(&mut self, mut hold: Hold) -> u32 {
         let slot = match self.free_slots.pop() {
             Some(s) => s,
@@ -438,7 +689,6 @@ impl ShardState {
                 (self.holds.len() - 1) as u32
             }
         };
-        hold.holder_pos = smallvec::smallvec![NO_SLOT; hold.slots.len()];
         let expires = hold.expires_ms;
         let ShardState {
             scopes,
@@ -446,38 +696,60 @@ impl ShardState {
             expiry,
             ..
         } = self;
-        for (_, s) in hold.local_slots() {
-            let st = live(scopes, s);
+        // The new hold is not in `holds` yet: the heaps tell it its
+        // positions directly, and the holds they move through `holds`.
+        for k in 0..hold.scopes.len() {
+            let st = live(scopes, hold.scopes[k].slot);
             st.held_count += 1;
-            st.extra
-                .get_or_insert_with(Default::default)
-                .held
-                .add(&hold.amounts);
-        }
-        let locals: SmallVec<[(usize, u32); 4]> = hold.local_slots().collect();
-        holds[slot as usize] = Some(hold);
-        expiry.push(
-            Entry {
-                due_ms: expires,
-                slot,
-                tag: 0,
-            },
-            &mut set_heap_pos(holds),
-        );
-        for (i, s) in locals {
-            let extra = live(scopes, s).extra.as_mut().expect("made above");
+            let extra = st.extra.get_or_insert_with(Default::default);
+            extra.held.add(&hold.amounts);
             let entry = Entry {
                 due_ms: expires,
                 slot,
-                tag: i as u8,
+                tag: k as u8,
             };
-            extra.holders.push(entry, &mut set_holder_pos(holds));
+            extra.holders.push(entry, &mut |s, tag, pos| {
+                let h = if s == slot {
+                    Some(&mut hold)
+                } else {
+                    holds.get_mut(s as usize).and_then(Option::as_mut)
+                };
+                if let Some(hs) = h.and_then(|h| h.scopes.get_mut(usize::from(tag))) {
+                    hs.pos = pos;
+                }
+            });
         }
+        let entry = Entry {
+            due_ms: expires,
+            slot,
+            tag: 0,
+        };
+        expiry.push(entry, &mut |s, _, pos| {
+            if s == slot {
+                hold.heap_pos = pos;
+            } else if let Some(Some(h)) = holds.get_mut(s as usize) {
+                h.heap_pos = pos;
+            }
+        });
+        holds[slot as usize] = Some(hold);
         slot
     }
 
-    /// Releases a hold from every scope of this shard, and returns it.
-    pub(crate) fn release_hold(&mut self, slot: u32, now_ms: u64) -> Hold {
+    /// Releases a hold from every scope of this shard.
+    #[inline]
+    pub(crate) fn release_hold(&mut self, slot: u32, now_ms: u64) -> Released {
+        self.release_hold_recording(slot, now_ms, None)
+    }
+
+    /// [`ShardState::release_hold`], recording `charged` on each scope
+    /// first when given (a settle: one pass over the hold's scopes, with
+    /// no lookup by name).
+    pub(crate) fn release_hold_recording(
+        &mut self,
+        slot: u32,
+        now_ms: u64,
+        record: Option<(&Catalog, &Amounts)>,
+    ) -> Released {
         let hold = self.holds[slot as usize].take().expect("a live hold slot");
         let ShardState {
             scopes,
@@ -488,45 +760,28 @@ impl ShardState {
             ..
         } = self;
         expiry.remove(hold.heap_pos, &mut set_heap_pos(holds));
-        for (i, s) in hold.local_slots() {
-            let st = live(scopes, s);
+        for hs in &hold.scopes {
+            let st = live(scopes, hs.slot);
+            if let Some((catalog, charged)) = record {
+                // A plan change since the scope was last touched is in
+                // force for this settle too: record into the current
+                // plan's limits.
+                st.sync(catalog);
+                st.advance(now_ms);
+                st.record_all(now_ms, charged);
+            }
             st.held_count -= 1;
             if let Some(extra) = st.extra.as_mut() {
                 extra.held.sub(&hold.amounts);
-                extra
-                    .holders
-                    .remove(hold.holder_pos[i], &mut set_holder_pos(holds));
+                extra.holders.remove(hs.pos, &mut set_holder_pos(holds));
             }
             if st.held_count == 0 && !st.gc_queued {
                 st.gc_queued = true;
-                gc.push(Reverse((now_ms, hold.scopes.as_slice()[i].clone())));
+                gc.push(Reverse((now_ms, hs.slot)));
             }
         }
         free_slots.push(slot);
-        hold
-    }
-
-    /// Records charged usage on the scopes of a live hold (settle, before
-    /// the release), with no lookup by name.
-    pub(crate) fn record_on_hold(
-        &mut self,
-        catalog: &Catalog,
-        slot: u32,
-        now_ms: u64,
-        charged: &Amounts,
-    ) {
-        let ShardState { scopes, holds, .. } = self;
-        let Some(Some(hold)) = holds.get(slot as usize) else {
-            return;
-        };
-        for (i, s) in hold.local_slots() {
-            let st = live(scopes, s);
-            // A plan change since the scope was last touched is in force
-            // for this settle too: record into the current plan's limits.
-            st.sync(catalog, &hold.scopes.as_slice()[i]);
-            st.advance(now_ms);
-            st.record_all(now_ms, charged);
-        }
+        (hold.owner, hold.foreign, hold.expires_ms)
     }
 
     /// Raises a hold by `delta` on every scope of this shard.
@@ -536,8 +791,8 @@ impl ShardState {
             return;
         };
         hold.amounts.add(delta);
-        for (_, s) in hold.local_slots() {
-            if let Some(extra) = live(scopes, s).extra.as_mut() {
+        for hs in &hold.scopes {
+            if let Some(extra) = live(scopes, hs.slot).extra.as_mut() {
                 extra.held.add(delta);
             }
         }
@@ -545,17 +800,12 @@ impl ShardState {
 
     /// Moves a hold's expiry.
     pub(crate) fn move_hold(&mut self, slot: u32, expires_ms: u64) {
-        let (heap_pos, locals): (u32, SmallVec<[(u32, u32); 4]>) = {
+        let (heap_pos, locals): (u32, SmallVec<[HoldScope; 4]>) = {
             let Some(Some(hold)) = self.holds.get_mut(slot as usize) else {
                 return;
             };
             hold.expires_ms = expires_ms;
-            (
-                hold.heap_pos,
-                hold.local_slots()
-                    .map(|(i, s)| (s, hold.holder_pos[i]))
-                    .collect(),
-            )
+            (hold.heap_pos, hold.scopes.clone())
         };
         let ShardState {
             scopes,
@@ -564,11 +814,11 @@ impl ShardState {
             ..
         } = self;
         expiry.update(heap_pos, expires_ms, &mut set_heap_pos(holds));
-        for (s, pos) in locals {
-            if let Some(extra) = live(scopes, s).extra.as_mut() {
+        for hs in locals {
+            if let Some(extra) = live(scopes, hs.slot).extra.as_mut() {
                 extra
                     .holders
-                    .update(pos, expires_ms, &mut set_holder_pos(holds));
+                    .update(hs.pos, expires_ms, &mut set_holder_pos(holds));
             }
         }
     }
@@ -583,16 +833,16 @@ impl ShardState {
             if top.due_ms > now {
                 break;
             }
-            let hold = self.release_hold(top.slot, now);
-            if hold.foreign {
-                self.foreign.remove(&hold.owner);
-            } else if let Some(rec) = self.records.get_mut(&hold.owner) {
+            let (owner, foreign, expires_ms) = self.release_hold(top.slot, now);
+            if foreign {
+                self.foreign.remove(&owner);
+            } else if let Some(rec) = self.records.get_mut(owner) {
                 // Counted in the home shard only: one per reservation.
                 self.expired_count += 1;
                 rec.res.status = Status::Expired;
-                rec.res.ended_at = Some(crate::Timestamp::from_millis(hold.expires_ms));
+                rec.res.ended_at = Some(crate::Timestamp::from_millis(expires_ms));
                 rec.hold_slot = NO_SLOT;
-                self.schedule_drop(catalog, hold.owner, now);
+                self.schedule_drop(catalog, owner, now);
             }
         }
         for keyed in [false, true] {
@@ -617,10 +867,15 @@ impl ShardState {
 
     /// Queues an ended reservation to be forgotten after its retention.
     pub(crate) fn schedule_drop(&mut self, catalog: &Catalog, id: ReservationId, now: u64) {
+        if let Some(i) = self.records.find(id) {
+            self.schedule_drop_at(catalog, i, now);
+        }
+    }
+
+    /// [`ShardState::schedule_drop`] for the record at a slab index.
+    pub(crate) fn schedule_drop_at(&mut self, catalog: &Catalog, i: u32, now: u64) {
         let s = catalog.settings();
-        let Some(rec) = self.records.get_mut(&id) else {
-            return;
-        };
+        let rec = self.records.at_mut(i);
         let keyed = rec.res.idempotency_key.is_some();
         let keep = if keyed {
             s.ended_retention_ms.max(s.idempotency_retention_ms)
@@ -628,28 +883,33 @@ impl ShardState {
             s.ended_retention_ms
         };
         rec.drop_at = now.saturating_add(keep);
+        let entry = (rec.drop_at, rec.res.id);
         if keyed {
-            self.ended_keyed.push_back((rec.drop_at, id));
+            self.ended_keyed.push_back(entry);
         } else {
-            self.ended.push_back((rec.drop_at, id));
+            self.ended.push_back(entry);
         }
     }
 
     fn forget(&mut self, id: ReservationId, at: u64) {
-        // One lookup: the record is cold by now (it ended a retention ago).
-        let std::collections::hash_map::Entry::Occupied(entry) = self.records.entry(id) else {
-            return;
-        };
-        if entry.get().drop_at != at || entry.get().res.status == Status::Held {
-            return; // a later settle moved its retention
-        }
-        let rec = entry.remove();
-        if let Some(key) = &rec.res.idempotency_key {
-            let k = idempotency_key(rec.res.scopes.tenant_name(), key);
-            if self.idempotency.get(&k) == Some(&id) {
-                self.idempotency.remove(&k);
-            }
-        }
+        let idempotency = &mut self.idempotency;
+        let multi = &mut self.multi_shard_records;
+        self.records.remove_unless(
+            id,
+            // A later settle moved its retention: that entry forgets it.
+            |r| r.drop_at != at || r.res.status == Status::Held,
+            |r| {
+                if r.multi_shard {
+                    *multi -= 1;
+                }
+                if let Some(key) = &r.res.idempotency_key {
+                    let k = idempotency_key(r.res.scopes.tenant_name(), key);
+                    if idempotency.get(&k) == Some(&id) {
+                        idempotency.remove(&k);
+                    }
+                }
+            },
+        );
     }
 
     /// Drops up to `budget` scopes that hold nothing and whose windows are
@@ -660,13 +920,12 @@ impl ShardState {
                 Some(Reverse((due, _))) if *due <= now => {}
                 _ => return,
             }
-            let Some(Reverse((_, key))) = self.gc.pop() else {
+            let Some(Reverse((_, slot))) = self.gc.pop() else {
                 return;
             };
-            let Some(&slot) = self.index.get(&key) else {
+            let Some(Some(st)) = self.scopes.get_mut(slot as usize) else {
                 continue;
             };
-            let st = live(&mut self.scopes, slot);
             st.gc_queued = false;
             if st.held_count > 0 {
                 continue; // the release of its last hold queues it again
@@ -674,17 +933,20 @@ impl ShardState {
             st.trim_extra();
             // On its current plan first: a plan change since the scope was
             // last touched decides how its windows emptied meanwhile.
-            st.sync(catalog, &key);
+            st.sync(catalog);
             st.advance(now);
             match st.empty_at(now) {
                 Some(at) if at <= now => {
-                    self.index.remove(&key);
+                    let hash = name_hash(&st.key);
+                    if let Ok(entry) = self.index.find_entry(hash, |&s| s == slot) {
+                        entry.remove();
+                    }
                     self.scopes[slot as usize] = None;
                     self.free_scopes.push(slot);
                 }
                 Some(at) => {
                     st.gc_queued = true;
-                    self.gc.push(Reverse((at, key)));
+                    self.gc.push(Reverse((at, slot)));
                 }
                 None => {} // a used total budget: kept until an admin credit
             }

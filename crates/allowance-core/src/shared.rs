@@ -163,25 +163,41 @@ impl SharedLedger {
         let home = self.router.of_id(id);
         let scopes = {
             let mut g = self.shards[home].0.lock();
-            match g.st.records.get(&id) {
-                Some(r) if r.multi_shard => r.res.scopes.clone(),
+            // A shard that remembers no multi-shard reservation needs no
+            // lookup here (the operation looks the id up itself).
+            let multi =
+                g.st.multi_shard_records > 0 && g.st.records.get(id).is_some_and(|r| r.multi_shard);
+            if !multi {
                 // The common case: everything lives in the home shard, already locked.
-                _ => {
-                    let Shard { catalog, st } = &mut *g;
-                    let mut locked = Locked {
-                        catalog,
-                        parts: smallvec::smallvec![(home, st)],
-                        home: 0,
-                        router: self.router,
-                    };
-                    return f(&mut locked);
-                }
+                return Self::run_home(&mut g, home, self.router, f);
             }
+            g.st.records
+                .get(id)
+                .map(|r| r.res.scopes.clone())
+                .expect("found above, under the same lock")
         };
         // A reservation's scopes never change, so the set found here stays
         // right after the home lock is dropped to take all locks in order.
         let shards = self.router.shards_of(&scopes);
         self.with_shards(&shards, home, f)
+    }
+
+    /// Runs `f` with only the home shard locked (already, by `g`).
+    #[inline]
+    fn run_home<R>(
+        g: &mut MutexGuard<'_, Shard>,
+        home: usize,
+        router: Router,
+        f: impl FnOnce(&mut Locked<'_>) -> R,
+    ) -> R {
+        let Shard { catalog, st } = &mut **g;
+        let mut locked = Locked {
+            catalog,
+            parts: smallvec::smallvec![(home, st)],
+            home: 0,
+            router,
+        };
+        f(&mut locked)
     }
 
     /// Holds `req.amounts` on every scope, all or nothing. `id` must be made
@@ -197,9 +213,14 @@ impl SharedLedger {
                 Invalid::new("id", "the reservation id was not minted for this tenant").into(),
             );
         }
-        let shards = self.router.shards_of(&req.scopes);
         // The id carries the tenant's tag (checked above): it routes home.
         let home = self.router.of_id(id);
+        if !req.scopes.any_shared() {
+            // Every scope lives in the tenant's shard.
+            let mut g = self.shards[home].0.lock();
+            return Self::run_home(&mut g, home, self.router, |l| l.reserve(now, id, req));
+        }
+        let shards = self.router.shards_of(&req.scopes);
         self.with_shards(&shards, home, |l| l.reserve(now, id, req))
     }
 
@@ -210,7 +231,9 @@ impl SharedLedger {
         id: ReservationId,
         usage: &Usage,
     ) -> Result<Outcome, SettleError> {
-        self.with_reservation(id, |l| l.settle(now, id, usage).map(Outcome::from))
+        self.with_reservation(id, |l| {
+            l.settle(now, id, usage).map(|i| Outcome::from(l.res_at(i)))
+        })
     }
 
     /// Settles, answering the whole reservation.
@@ -220,12 +243,16 @@ impl SharedLedger {
         id: ReservationId,
         usage: &Usage,
     ) -> Result<Reservation, SettleError> {
-        self.with_reservation(id, |l| l.settle(now, id, usage).cloned())
+        self.with_reservation(id, |l| {
+            l.settle(now, id, usage).map(|i| l.res_at(i).clone())
+        })
     }
 
     /// Refunds (see [`Ledger::refund`](crate::Ledger::refund)).
     pub fn refund(&self, now: Timestamp, id: ReservationId) -> Result<Outcome, RefundError> {
-        self.with_reservation(id, |l| l.refund(now, id).map(Outcome::from))
+        self.with_reservation(id, |l| {
+            l.refund(now, id).map(|i| Outcome::from(l.res_at(i)))
+        })
     }
 
     /// Refunds, answering the whole reservation.
@@ -234,7 +261,7 @@ impl SharedLedger {
         now: Timestamp,
         id: ReservationId,
     ) -> Result<Reservation, RefundError> {
-        self.with_reservation(id, |l| l.refund(now, id).cloned())
+        self.with_reservation(id, |l| l.refund(now, id).map(|i| l.res_at(i).clone()))
     }
 
     /// Extends (see [`Ledger::extend`](crate::Ledger::extend)).
@@ -246,7 +273,8 @@ impl SharedLedger {
         ttl_ms: Option<u64>,
     ) -> Result<Outcome, ExtendError> {
         self.with_reservation(id, |l| {
-            l.extend(now, id, amounts, ttl_ms).map(Outcome::from)
+            l.extend(now, id, amounts, ttl_ms)
+                .map(|i| Outcome::from(l.res_at(i)))
         })
     }
 
@@ -258,12 +286,15 @@ impl SharedLedger {
         amounts: Option<&Amounts>,
         ttl_ms: Option<u64>,
     ) -> Result<Reservation, ExtendError> {
-        self.with_reservation(id, |l| l.extend(now, id, amounts, ttl_ms).cloned())
+        self.with_reservation(id, |l| {
+            l.extend(now, id, amounts, ttl_ms)
+                .map(|i| l.res_at(i).clone())
+        })
     }
 
     /// A reservation as of `now` (expiry observed).
     pub fn get(&self, now: Timestamp, id: ReservationId) -> Option<Reservation> {
-        self.with_reservation(id, |l| l.get(now, id).cloned())
+        self.with_reservation(id, |l| l.get(now, id).map(|i| l.res_at(i).clone()))
     }
 
     /// A scope's limits as of `now`.

@@ -106,10 +106,26 @@ impl Dimension {
 /// Never contains the implied dimensions (`requests`, `concurrent`). The
 /// four counted built-in dimensions sit in a fixed array (every operation
 /// reads them, in O(1)); custom dimensions are a short sorted list.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Debug, Default, PartialEq, Eq, Hash)]
 pub struct Amounts {
     builtin: [u64; 4],
     custom: Vec<(Dimension, u64)>,
+}
+
+impl Clone for Amounts {
+    /// Inline, and without a call into `Vec::clone` for the usual empty
+    /// list of custom dimensions (every operation clones a few amounts).
+    #[inline]
+    fn clone(&self) -> Self {
+        Amounts {
+            builtin: self.builtin,
+            custom: if self.custom.is_empty() {
+                Vec::new()
+            } else {
+                self.custom.clone()
+            },
+        }
+    }
 }
 
 impl Amounts {
@@ -140,6 +156,7 @@ impl Amounts {
     }
 
     /// Whether `dim` has a non-zero amount.
+    #[inline]
     pub fn contains(&self, dim: Dimension) -> bool {
         self.get(dim) != 0
     }
@@ -165,6 +182,7 @@ impl Amounts {
     }
 
     /// Adds `b` to every amount, saturating.
+    #[inline]
     pub fn add(&mut self, b: &Amounts) {
         for (x, y) in self.builtin.iter_mut().zip(b.builtin) {
             *x = x.saturating_add(y);
@@ -176,6 +194,7 @@ impl Amounts {
     }
 
     /// Subtracts `b` from every amount, saturating at 0.
+    #[inline]
     pub fn sub(&mut self, b: &Amounts) {
         for (x, y) in self.builtin.iter_mut().zip(b.builtin) {
             *x = x.saturating_sub(y);
@@ -184,6 +203,27 @@ impl Amounts {
             let s = self.get(d).saturating_sub(v);
             self.set(d, s);
         }
+    }
+
+    /// `f(amount, other's amount)` for every non-zero amount of `self`;
+    /// a zero result drops the dimension.
+    #[inline]
+    pub(crate) fn map_with(&self, other: &Amounts, mut f: impl FnMut(u64, u64) -> u64) -> Amounts {
+        let mut out = Amounts::new();
+        for ((o, &a), &b) in out
+            .builtin
+            .iter_mut()
+            .zip(&self.builtin)
+            .zip(&other.builtin)
+        {
+            if a != 0 {
+                *o = f(a, b);
+            }
+        }
+        for &(d, a) in &self.custom {
+            out.set(d, f(a, other.get(d)));
+        }
+        out
     }
 
     /// Builder form of [`Amounts::set`].
@@ -210,13 +250,34 @@ impl Amounts {
     }
 
     /// Whether every amount is zero.
+    #[inline]
     pub fn is_empty(&self) -> bool {
         self.builtin == [0; 4] && self.custom.is_empty()
     }
 
     /// The first amount above [`MAX_AMOUNT`], if any.
+    #[inline]
     pub fn first_too_large(&self) -> Option<(Dimension, u64)> {
+        // The common case in a few compares: built-ins only, all in range.
+        if self.custom.is_empty() && self.builtin.iter().all(|&a| a <= MAX_AMOUNT) {
+            return None;
+        }
         self.iter().find(|&(_, a)| a > MAX_AMOUNT)
+    }
+
+    /// Every built-in dimension's amount by index, given the implied
+    /// `requests` and `concurrent` (a hot loop reads a limit's amount with
+    /// one index instead of a match).
+    #[inline]
+    pub(crate) fn builtin_row(&self, requests: u64, concurrent: u64) -> [u64; 6] {
+        let [a, b, c, d] = self.builtin;
+        [requests, concurrent, a, b, c, d]
+    }
+
+    /// No custom dimension, and every amount at most [`MAX_AMOUNT`].
+    #[inline]
+    pub(crate) fn builtin_only_in_range(&self) -> bool {
+        self.custom.is_empty() && self.builtin.iter().all(|&a| a <= MAX_AMOUNT)
     }
 }
 

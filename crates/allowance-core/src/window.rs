@@ -35,11 +35,47 @@ const SLICES_AT: usize = 3;
 
 /// Words of state a window needs.
 pub(crate) fn words_for(w: &Window) -> usize {
+    // Kept in step with `words_of`, which the hot path reads from the
+    // precomputed `Fast` (a unit test checks they agree).
     match w {
         Window::Sliding { slices, .. } => SLICES_AT + (*slices as usize).div_ceil(2),
         Window::Bucket { .. } | Window::Calendar { .. } => 2,
         Window::Total => 1,
         Window::Concurrent => 0,
+    }
+}
+
+/// [`words_for`] from a limit's precomputed parameters: what the hot loops
+/// use to walk a scope's words limit by limit.
+#[inline]
+pub(crate) fn words_of(fast: Fast) -> usize {
+    match fast {
+        Fast::Sliding { slices, .. } => SLICES_AT + (slices as usize).div_ceil(2),
+        Fast::Bucket { .. } | Fast::Calendar => 2,
+        Fast::Total => 1,
+        Fast::Concurrent => 0,
+    }
+}
+
+/// Whether `requested` more fits under the limit's capacity with `held`
+/// held, given the limit's words (advanced to now): `requested ≤ capacity −
+/// used − held`, exactly (for a bucket, against the fixed-point level, which
+/// is what rounding `used` up gives too). Reads no slices, so a limit with
+/// wide slices answers from its words alone (the total is kept there).
+#[inline(always)]
+pub(crate) fn fits(fast: Fast, capacity: u64, words: &[u64], requested: u64, held: u64) -> bool {
+    let Some(target) = capacity
+        .checked_sub(held)
+        .and_then(|r| r.checked_sub(requested))
+    else {
+        return false;
+    };
+    match fast {
+        Fast::Bucket { period_ms } => deficit(words) <= u128::from(target) * u128::from(period_ms),
+        Fast::Sliding { .. } => words[0] <= target,
+        Fast::Calendar => words[1] <= target,
+        Fast::Total => (words[0] as i64) <= target as i64,
+        Fast::Concurrent => true,
     }
 }
 
@@ -85,6 +121,125 @@ impl Slices<'_> {
     }
 }
 
+/// `capacity − held − requested`, or `None` when it would be negative (the
+/// request cannot fit whatever the window's usage).
+#[inline(always)]
+pub(crate) fn room(capacity: u64, held: u64, requested: u64) -> Option<u64> {
+    capacity.checked_sub(held)?.checked_sub(requested)
+}
+
+/// A bucket's deficit (its words from the limit's offset on) after
+/// `elapsed_ms` more of refill; stored back when it changed.
+#[inline(always)]
+pub(crate) fn bucket_refill(words: &mut [u64], capacity: u64, elapsed_ms: u64) -> u128 {
+    let d = deficit(words);
+    if d == 0 || elapsed_ms == 0 {
+        return d;
+    }
+    // capacity ≤ 2^53: the product cannot overflow 128 bits.
+    let d = d.saturating_sub(u128::from(capacity) * u128::from(elapsed_ms));
+    set_deficit(words, d);
+    d
+}
+
+/// Whether a bucket with this deficit has `room` (see [`room`]) left:
+/// against the fixed-point level, which is what rounding `used` up gives.
+#[inline(always)]
+pub(crate) fn bucket_fits(deficit: u128, room: u64, period_ms: u64) -> bool {
+    deficit <= u128::from(room) * u128::from(period_ms)
+}
+
+/// Records `amount` on a bucket (its words from the limit's offset on).
+#[inline(always)]
+pub(crate) fn bucket_record(words: &mut [u64], amount: u64, period_ms: u64) {
+    let add = u128::from(amount) * u128::from(period_ms);
+    set_deficit(words, deficit(words).saturating_add(add));
+}
+
+/// The hot path's forms of [`State::advance`] for a limit without wide
+/// slices (`limits[i]`, whose `fast` and `capacity` are given), on the
+/// scope's words from the limit's offset on: the common case in a compare
+/// or two, the rest (a slice or calendar window rolling over) out of line.
+#[inline(always)]
+pub(crate) fn advance_narrow(
+    (fast, capacity): (Fast, u64),
+    (limits, i): (&[Limit], usize),
+    words: &mut [u64],
+    from_ms: u64,
+    now_ms: u64,
+) {
+    match fast {
+        Fast::Sliding { .. } => {
+            if now_ms >= words[1] {
+                advance_cold(&limits[i], words, from_ms, now_ms);
+            }
+        }
+        Fast::Bucket { .. } => {
+            let d = deficit(words);
+            if d != 0 {
+                // capacity ≤ 2^53: the product cannot overflow 128 bits.
+                let refill = u128::from(capacity) * u128::from(now_ms.saturating_sub(from_ms));
+                set_deficit(words, d.saturating_sub(refill));
+            }
+        }
+        Fast::Calendar => {
+            if now_ms >= words[0] {
+                advance_cold(&limits[i], words, from_ms, now_ms);
+            }
+        }
+        Fast::Total | Fast::Concurrent => {}
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn advance_cold(limit: &Limit, words: &mut [u64], from_ms: u64, now_ms: u64) {
+    let n = words_of(limit.fast);
+    State {
+        limit,
+        words: &mut words[..n],
+        wide: None,
+    }
+    .advance(from_ms, now_ms);
+}
+
+/// The hot path's form of [`State::record`] for a limit without wide
+/// slices, on the scope's words from the limit's offset on (advanced to
+/// `now_ms`). `false`, and nothing changed, when a sliding slice would
+/// outgrow 32 bits: the caller widens it first (see [`State::needs_wide`]).
+#[inline(always)]
+pub(crate) fn record_narrow(fast: Fast, words: &mut [u64], now_ms: u64, amount: u64) -> bool {
+    match fast {
+        Fast::Sliding { width_ms, slices } => {
+            let end = words[1];
+            let i = if now_ms < end && now_ms >= end.saturating_sub(width_ms) {
+                words[2] as usize
+            } else {
+                ((now_ms / width_ms) % slices) as usize
+            };
+            let k = SLICES_AT + i / 2;
+            let shift = (i % 2) * 32;
+            let v = ((words[k] >> shift) & 0xffff_ffff).saturating_add(amount);
+            if v > u64::from(u32::MAX) {
+                return false;
+            }
+            words[k] = (words[k] & !(0xffff_ffff << shift)) | (v << shift);
+            words[0] = words[0].saturating_add(amount);
+        }
+        Fast::Bucket { period_ms } => {
+            let add = u128::from(amount) * u128::from(period_ms);
+            set_deficit(words, deficit(words).saturating_add(add));
+        }
+        Fast::Calendar => words[1] = words[1].saturating_add(amount),
+        Fast::Total => {
+            let add = i64::try_from(amount).unwrap_or(i64::MAX);
+            words[0] = (words[0] as i64).saturating_add(add) as u64;
+        }
+        Fast::Concurrent => {}
+    }
+    true
+}
+
 /// The state of one limit of one scope: its words, and its wide slices if it
 /// has any.
 pub(crate) struct State<'a> {
@@ -93,10 +248,12 @@ pub(crate) struct State<'a> {
     pub(crate) wide: Option<&'a mut [u64]>,
 }
 
+#[inline]
 fn deficit(words: &[u64]) -> u128 {
     (u128::from(words[0]) << 64) | u128::from(words[1])
 }
 
+#[inline]
 fn set_deficit(words: &mut [u64], d: u128) {
     words[0] = (d >> 64) as u64;
     words[1] = d as u64;
@@ -105,7 +262,7 @@ fn set_deficit(words: &mut [u64], d: u128) {
 impl State<'_> {
     /// The ring position of the slice holding `now_ms`: cached by the last
     /// advance when `now_ms` is in that slice (it always is after one).
-    #[inline]
+    #[inline(always)]
     fn ring_index(&self, now_ms: u64, width_ms: u64, slices: u64) -> usize {
         let end = self.words[1];
         if now_ms < end && now_ms >= end.saturating_sub(width_ms) {
@@ -124,7 +281,7 @@ impl State<'_> {
     }
 
     /// Brings the window from `from_ms` (when the scope was last touched) to `now_ms`.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn advance(&mut self, from_ms: u64, now_ms: u64) {
         match self.limit.fast {
             Fast::Sliding {
@@ -197,29 +354,20 @@ impl State<'_> {
         }
     }
 
-    /// Whether `requested` more fits under `capacity` with `held` held:
-    /// `requested ≤ capacity − used − held`, exactly (for a bucket, against
-    /// the fixed-point level, which is what rounding `used` up gives too).
+    /// Whether `requested` more fits (see [`fits`]).
     #[inline]
     pub(crate) fn fits(&self, requested: u64, held: u64) -> bool {
-        let Some(target) = self
-            .limit
-            .capacity()
-            .checked_sub(held)
-            .and_then(|r| r.checked_sub(requested))
-        else {
-            return false;
-        };
-        match self.limit.fast {
-            Fast::Bucket { period_ms } => {
-                deficit(self.words) <= u128::from(target) * u128::from(period_ms)
-            }
-            Fast::Total => (self.words[0] as i64) <= target as i64,
-            _ => self.used() as u64 <= target,
-        }
+        fits(
+            self.limit.fast,
+            self.limit.capacity(),
+            self.words,
+            requested,
+            held,
+        )
     }
 
     /// Whether recording `amount` now needs wide slices first.
+    #[inline(always)]
     pub(crate) fn needs_wide(&self, now_ms: u64, amount: u64) -> bool {
         match (self.limit.fast, &self.wide) {
             (Fast::Sliding { width_ms, slices }, None) => {
@@ -245,7 +393,7 @@ impl State<'_> {
     /// Saturates instead of wrapping: accounting that far past any capacity
     /// keeps refusing either way. The caller widens sliding slices first
     /// when [`State::needs_wide`] says so.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn record(&mut self, now_ms: u64, amount: u64) {
         match self.limit.fast {
             Fast::Sliding { width_ms, slices } => {
