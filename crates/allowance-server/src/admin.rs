@@ -66,7 +66,7 @@ pub(crate) async fn list_plans(State(state): State<AppState>, headers: HeaderMap
             .credentials()
             .authenticate(&headers)?
             .require_admin()?;
-        let catalog = state.call(state.store().catalog()).await??;
+        let catalog = state.catalog().await?;
         let mut plans: Vec<PlanView> = catalog.plans().map(|p| plan_view(p, &catalog)).collect();
         plans.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(("ok", axum::Json(PlansView { plans }).into_response()))
@@ -107,7 +107,7 @@ async fn apply_with_dimensions<T>(
 where
     T: Clone,
 {
-    let catalog = state.call(state.store().catalog()).await??;
+    let catalog = state.catalog().await?;
     let mut scratch = (*catalog).clone();
     build(&mut scratch)?;
     for name in new_dimensions(limits, &catalog) {
@@ -120,7 +120,7 @@ where
             .await?
             .map_err(|e| e.into_api(state.now(), &catalog))?;
     }
-    let fresh = state.call(state.store().catalog()).await??;
+    let fresh = state.catalog().await?;
     let mut copy = (*fresh).clone();
     let built = build(&mut copy)?;
     state
@@ -162,7 +162,7 @@ pub(crate) async fn put_plan(
             CatalogChange::SetPlan,
         )
         .await?;
-        let catalog = state.call(state.store().catalog()).await??;
+        let catalog = state.catalog().await?;
         tracing::info!(plan = %name, "plan set through the admin API");
         Ok(("ok", axum::Json(plan_view(&plan, &catalog)).into_response()))
     })
@@ -226,7 +226,7 @@ pub(crate) async fn scope_put(
         let who = state.credentials().authenticate(&headers)?;
         who.require_admin()?;
         let JsonBody(body) = body?;
-        let catalog = state.call(state.store().catalog()).await??;
+        let catalog = state.catalog().await?;
         let key = scope_for(&catalog, &who, raw, true)?;
         let _serial = state.admin_lock().lock().await;
         match (body.plan, body.limits) {
@@ -288,7 +288,7 @@ pub(crate) async fn scope_delete(
     measured("admin", async {
         let who = state.credentials().authenticate(&headers)?;
         who.require_admin()?;
-        let catalog = state.call(state.store().catalog()).await??;
+        let catalog = state.catalog().await?;
         let key = scope_for(&catalog, &who, raw, true)?;
         let _serial = state.admin_lock().lock().await;
         state
@@ -329,7 +329,7 @@ pub(crate) async fn scope_post(
                 "say why, in 1 to 1024 bytes",
             ));
         }
-        let catalog = state.call(state.store().catalog()).await??;
+        let catalog = state.catalog().await?;
         let key = scope_for(&catalog, &who, raw, true)?;
         let Some(dim) = catalog.dimension(&body.dimension) else {
             return Err(ApiError::invalid(

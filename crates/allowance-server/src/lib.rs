@@ -141,6 +141,11 @@ impl AppState {
         &self.inner.metrics
     }
 
+    /// The catalog in force (one store call, under the timeout).
+    pub(crate) async fn catalog(&self) -> Result<Arc<allowance_core::Catalog>, ApiError> {
+        Ok(self.call(self.store().catalog()).await??)
+    }
+
     /// Runs a store call under the store timeout: past it, 503.
     pub(crate) async fn call<T>(&self, f: impl Future<Output = T>) -> Result<T, ApiError> {
         tokio::time::timeout(self.inner.options.store_timeout, f)

@@ -89,10 +89,6 @@ async fn check_owner(state: &AppState, who: &Principal, id: ReservationId) -> Re
     }
 }
 
-fn catalog_error(e: allowance_core::Unavailable) -> ApiError {
-    e.into()
-}
-
 /// Builds the engine's request from the body. Every check that names a
 /// field happens here or in the engine, before anything changes.
 fn reserve_request(
@@ -160,10 +156,7 @@ pub(crate) async fn reserve(
                 body.tenant
             )));
         }
-        let catalog = state
-            .call(state.store().catalog())
-            .await?
-            .map_err(catalog_error)?;
+        let catalog = state.catalog().await?;
         let req = reserve_request(body, &catalog, state.options().max_wait_ms)?;
         let granted = match state.call(state.store().reserve(&req)).await? {
             Ok(g) => g,
@@ -224,10 +217,7 @@ pub(crate) async fn get_reservation(
         let Some(r) = visible(&state, &who, id).await? else {
             return Err(ApiError::not_found("reservation not found"));
         };
-        let catalog = state
-            .call(state.store().catalog())
-            .await?
-            .map_err(catalog_error)?;
+        let catalog = state.catalog().await?;
         Ok((
             "ok",
             axum::Json(ReservationView::of(&r, &catalog)).into_response(),
@@ -277,10 +267,7 @@ pub(crate) async fn settle(
         let who = state.credentials().authenticate(&headers)?;
         let JsonBody(body) = body?;
         let id = parse_id(&id)?;
-        let catalog = state
-            .call(state.store().catalog())
-            .await?
-            .map_err(catalog_error)?;
+        let catalog = state.catalog().await?;
         let usage = usage_of(body, &catalog)?;
         check_owner(&state, &who, id).await?;
         let r = state
@@ -315,10 +302,7 @@ pub(crate) async fn refund(
         let OptionalJsonBody(RefundBody {}) = body?;
         let id = parse_id(&id)?;
         check_owner(&state, &who, id).await?;
-        let catalog = state
-            .call(state.store().catalog())
-            .await?
-            .map_err(catalog_error)?;
+        let catalog = state.catalog().await?;
         let r = state
             .call(state.store().refund(id))
             .await?
@@ -360,10 +344,7 @@ pub(crate) async fn extend(
             ));
         }
         let id = parse_id(&id)?;
-        let catalog = state
-            .call(state.store().catalog())
-            .await?
-            .map_err(catalog_error)?;
+        let catalog = state.catalog().await?;
         let amounts = match &body.amounts {
             Some(a) => Some(amounts_of(a, &catalog, "amounts")?),
             None => None,
@@ -433,10 +414,7 @@ pub(crate) fn scope_for(
 pub(crate) async fn scope_status(state: AppState, headers: HeaderMap, raw: String) -> Response {
     measured("status", async {
         let who = state.credentials().authenticate(&headers)?;
-        let catalog = state
-            .call(state.store().catalog())
-            .await?
-            .map_err(catalog_error)?;
+        let catalog = state.catalog().await?;
         let key = scope_for(&catalog, &who, &raw, false)?;
         let s = state.call(state.store().status(&key)).await??;
         Ok(("ok", axum::Json(ScopeStatusView::of(&s)).into_response()))
@@ -455,10 +433,7 @@ pub(crate) async fn healthz() -> &'static str {
 pub(crate) async fn readyz(State(state): State<AppState>) -> Response {
     crate::respond(
         async {
-            state
-                .call(state.store().catalog())
-                .await?
-                .map_err(catalog_error)?;
+            state.catalog().await?;
             Ok::<_, ApiError>("ready\n")
         }
         .await,
