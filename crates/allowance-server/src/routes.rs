@@ -61,6 +61,11 @@ where
     response
 }
 
+/// The answer of get, settle, refund and extend: the reservation object.
+fn reservation_answer(r: &Reservation, catalog: &Catalog) -> Response {
+    axum::Json(ReservationView::of(r, catalog)).into_response()
+}
+
 /// `rsv_…` → id; anything else answers 404, as an unknown id does.
 fn parse_id(id: &str) -> Result<ReservationId, ApiError> {
     ReservationId::parse(id).ok_or_else(|| ApiError::not_found("reservation not found"))
@@ -218,10 +223,7 @@ pub(crate) async fn get_reservation(
             return Err(ApiError::not_found("reservation not found"));
         };
         let catalog = state.catalog().await?;
-        Ok((
-            "ok",
-            axum::Json(ReservationView::of(&r, &catalog)).into_response(),
-        ))
+        Ok(("ok", reservation_answer(&r, &catalog)))
     })
     .await
 }
@@ -274,10 +276,7 @@ pub(crate) async fn settle(
             .call(state.store().settle(id, &usage))
             .await?
             .map_err(|e| e.into_api(state.now(), &catalog))?;
-        Ok((
-            "ok",
-            axum::Json(ReservationView::of(&r, &catalog)).into_response(),
-        ))
+        Ok(("ok", reservation_answer(&r, &catalog)))
     })
     .await
 }
@@ -307,10 +306,7 @@ pub(crate) async fn refund(
             .call(state.store().refund(id))
             .await?
             .map_err(|e| e.into_api(state.now(), &catalog))?;
-        Ok((
-            "ok",
-            axum::Json(ReservationView::of(&r, &catalog)).into_response(),
-        ))
+        Ok(("ok", reservation_answer(&r, &catalog)))
     })
     .await
 }
@@ -366,10 +362,7 @@ pub(crate) async fn extend(
                 return Err(e.into_api(state.now(), &catalog));
             }
         };
-        Ok((
-            "ok",
-            axum::Json(ReservationView::of(&r, &catalog)).into_response(),
-        ))
+        Ok(("ok", reservation_answer(&r, &catalog)))
     })
     .await
 }

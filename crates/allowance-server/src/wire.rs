@@ -56,6 +56,22 @@ pub fn window_name(w: WindowKind) -> &'static str {
     w.as_str()
 }
 
+/// Keys of an [`Ordered`] object checked for repeats by a scan; beyond, a set.
+const SCAN_KEYS: usize = 16;
+
+/// Serializes `(name, value)` pairs as a JSON object, in order.
+fn serialize_pairs<S: serde::Serializer, K: Serialize, V: Serialize>(
+    pairs: &[(K, V)],
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeMap;
+    let mut m = s.serialize_map(Some(pairs.len()))?;
+    for (k, v) in pairs {
+        m.serialize_entry(k, v)?;
+    }
+    m.end()
+}
+
 /// A JSON object read in order, each key once.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ordered<V>(pub Vec<(String, V)>);
@@ -76,8 +92,19 @@ impl<'de, V: Deserialize<'de>> Deserialize<'de> for Ordered<V> {
             }
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
                 let mut out: Vec<(String, V)> = Vec::new();
+                // A few keys are the rule (amounts, scopes): a scan. A 64 KiB
+                // body can carry thousands: past a few, a set, so duplicate
+                // detection never goes quadratic.
+                let mut seen: Option<std::collections::HashSet<String>> = None;
                 while let Some(key) = map.next_key::<String>()? {
-                    if out.iter().any(|(k, _)| *k == key) {
+                    if out.len() == SCAN_KEYS {
+                        seen = Some(out.iter().map(|(k, _)| k.clone()).collect());
+                    }
+                    let repeated = match &mut seen {
+                        Some(set) => !set.insert(key.clone()),
+                        None => out.iter().any(|(k, _)| *k == key),
+                    };
+                    if repeated {
                         // serde's own wording, so the error names `{path}.{key}`.
                         return Err(de::Error::custom(format!("duplicate field `{key}`")));
                     }
@@ -284,12 +311,7 @@ pub struct AmountsView<'a>(pub Vec<(&'a str, u64)>);
 
 impl Serialize for AmountsView<'_> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        use serde::ser::SerializeMap;
-        let mut m = s.serialize_map(Some(self.0.len()))?;
-        for (k, v) in &self.0 {
-            m.serialize_entry(k, v)?;
-        }
-        m.end()
+        serialize_pairs(&self.0, s)
     }
 }
 
@@ -389,12 +411,7 @@ pub struct LabelsView<'a>(pub &'a [(String, String)]);
 
 impl Serialize for LabelsView<'_> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        use serde::ser::SerializeMap;
-        let mut m = s.serialize_map(Some(self.0.len()))?;
-        for (k, v) in self.0 {
-            m.serialize_entry(k, v)?;
-        }
-        m.end()
+        serialize_pairs(self.0, s)
     }
 }
 
@@ -565,6 +582,24 @@ pub fn amounts_of(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn repeated_keys_are_found_past_the_scan() {
+        let object = |keys: &[String]| {
+            let fields: Vec<String> = keys.iter().map(|k| format!("\"{k}\": \"v\"")).collect();
+            format!("{{{}}}", fields.join(", "))
+        };
+        let mut keys: Vec<String> = (0..40).map(|i| format!("k{i}")).collect();
+        let ok: Ordered<String> = serde_json::from_str(&object(&keys)).unwrap();
+        assert_eq!(ok.0.len(), 40);
+        assert_eq!(ok.0[39].0, "k39", "order kept");
+        for repeat_at in [5, SCAN_KEYS, 39] {
+            keys[repeat_at] = "k3".into();
+            let e = serde_json::from_str::<Ordered<String>>(&object(&keys)).unwrap_err();
+            assert!(e.to_string().contains("duplicate field `k3`"), "{e}");
+            keys[repeat_at] = format!("k{repeat_at}");
+        }
+    }
 
     #[test]
     fn rfc3339_matches_jiff_everywhere() {
