@@ -23,7 +23,7 @@ BIN=target/release/allowance
 out=$(mktemp -d)
 trap 'kill $server $noop 2>/dev/null || true; rm -rf "$out"' EXIT
 
-$BIN serve --listen 127.0.0.1:$SERVER_PORT 2>"$out/server.log" &
+$BIN serve --data-dir "" --listen 127.0.0.1:$SERVER_PORT 2>"$out/server.log" &
 server=$!
 $BIN bench-noop --listen 127.0.0.1:$NOOP_PORT 2>"$out/noop.log" &
 noop=$!

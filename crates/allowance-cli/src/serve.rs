@@ -7,13 +7,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use allowance_config::{Config, Role, StoreKind};
-use allowance_core::EmbeddedStore;
+use clap::builder::TypedValueParser;
+use allowance_core::{EmbeddedStore, Store};
+use allowance_durable::{DurableOptions, DurableStore};
 use allowance_server::{AppState, Credential, Credentials, Options, RandomIds, SystemClock};
+use allowance_wal::Fsync as WalFsync;
 use anyhow::Context;
 
 /// Shards of the embedded ledger: tenants spread over them, each with its
 /// own lock, so more shards than cores keeps contention low.
 const SHARDS: usize = 64;
+
+/// `fsync = "batch"`: the longest an acknowledged record waits for its
+/// fsync — what a power loss can cost (a process crash loses nothing).
+const BATCH_WINDOW: Duration = Duration::from_millis(10);
 
 /// `serve`'s flags; they override the file.
 #[derive(Debug, clap::Args)]
@@ -24,8 +31,10 @@ pub struct ServeArgs {
     /// Address to listen on (overrides `[server] listen`).
     #[arg(long)]
     listen: Option<SocketAddr>,
-    /// Data directory of the embedded store (overrides `[store] data_dir`).
-    #[arg(long)]
+    /// Data directory of the embedded store (overrides `[store] data_dir`;
+    /// `--data-dir ""` keeps the ledger in memory only).
+    // clap's PathBuf parser refuses an empty value; "" is meaningful here.
+    #[arg(long, value_parser = clap::builder::OsStringValueParser::new().map(PathBuf::from))]
     data_dir: Option<PathBuf>,
     /// Allow listening on a non-loopback address with no tokens configured.
     #[arg(long)]
@@ -128,36 +137,113 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             allowance_config::Level::Info => tracing::info!("configuration: {}", w.message),
         }
     }
-    if let Some(dir) = &config.store.data_dir {
-        tracing::warn!(
-            data_dir = %dir.display(),
-            "the durable embedded store is not available in this version: the ledger lives in memory \
-             and everything is lost when the process stops (data_dir is not used)"
-        );
-    } else {
-        tracing::info!("store: embedded, in memory (nothing survives a restart)");
-    }
     let creds = credentials(&config);
     if creds.is_open() {
         tracing::warn!("no [[tokens]] configured: the API is open to anyone who can reach {local}");
     }
-    let store = EmbeddedStore::new(
-        config.catalog.clone(),
-        SHARDS,
-        Arc::new(SystemClock::default()),
-        Arc::new(RandomIds),
-    );
+    let clock: Arc<SystemClock> = Arc::new(SystemClock::default());
+    let (store, durable): (Arc<dyn Store>, Option<DurableStore>) = match &config.store.data_dir {
+        Some(dir) => {
+            let store = open_durable(&config, dir, clock.clone()).await?;
+            (Arc::new(store.clone()), Some(store))
+        }
+        None => {
+            tracing::info!(
+                "store: embedded, in memory (data_dir = \"\": nothing survives a restart)"
+            );
+            let store =
+                EmbeddedStore::new(config.catalog.clone(), SHARDS, clock, Arc::new(RandomIds));
+            (Arc::new(store), None)
+        }
+    };
     let options = Options {
         store_timeout: Duration::from_millis(config.store.timeout_ms),
         max_wait_ms: config.queue.max_wait_ms,
         ..Options::default()
     };
-    let state = AppState::new(Arc::new(store), creds, options);
+    let state = AppState::new(store, creds, options);
     // Machine-readable for scripts and tests that ask for port 0.
     tracing::info!(address = %local, "listening on http://{local}");
     allowance_server::serve(listener, state, allowance_server::shutdown_signal())
         .await
         .context("server")?;
+    if let Some(store) = durable {
+        store.close().await.context("closing the write-ahead log")?;
+    }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Opens the durable embedded store in `dir`: recovery with a progress bar
+/// on a terminal when it is long, then one log line of what it found.
+async fn open_durable(
+    config: &Config,
+    dir: &std::path::Path,
+    clock: Arc<SystemClock>,
+) -> anyhow::Result<DurableStore> {
+    let mut opts = DurableOptions::new(dir);
+    opts.shards = SHARDS;
+    opts.wal.fsync = match config.store.fsync {
+        allowance_config::Fsync::Always => WalFsync::Always,
+        allowance_config::Fsync::Batch => WalFsync::Batch {
+            window: BATCH_WINDOW,
+        },
+        allowance_config::Fsync::Never => WalFsync::Never,
+    };
+    let bar = indicatif::ProgressBar::hidden();
+    if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+    }
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "recovering {pos}/{len} log records [{bar:30}] {per_sec}, {eta} left",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let progress_bar = bar.clone();
+    let (store, report) = DurableStore::open(
+        config.catalog.clone(),
+        opts,
+        Arc::new(allowance_wal::RealFs),
+        clock,
+        Arc::new(RandomIds),
+        move |p: allowance_wal::ReplayProgress| {
+            progress_bar.set_length(p.total);
+            progress_bar.set_position(p.replayed);
+        },
+    )
+    .await
+    .with_context(|| format!("cannot open the data dir {}", dir.display()))?;
+    bar.finish_and_clear();
+    if let Some(torn) = &report.torn_tail {
+        tracing::warn!(
+            file = %torn.file.display(),
+            offset = torn.offset,
+            "cut off a torn tail a crash left (records never acknowledged)"
+        );
+    }
+    for change in &report.admin_changes {
+        tracing::info!("in force from the API (wins over the file): {change}");
+    }
+    for change in &report.skipped_admin_changes {
+        tracing::warn!("an admin change no longer applies and is skipped: {change}");
+    }
+    if !report.divergences.is_empty() {
+        tracing::error!(
+            divergences = ?report.divergences,
+            "some logged operations did not replay as they ran: please report this"
+        );
+    }
+    tracing::info!(
+        data_dir = %dir.display(),
+        fsync = ?config.store.fsync,
+        snapshot_lsn = report.snapshot_lsn.unwrap_or(0),
+        replayed = report.replayed,
+        last_lsn = report.last_lsn,
+        expired_at_start = report.expired_at_start,
+        config_changed = report.config_changed,
+        elapsed_ms = report.elapsed.as_millis() as u64,
+        "store: embedded, durable"
+    );
+    Ok(store)
 }

@@ -411,7 +411,13 @@ async fn open_server_refuses_a_non_loopback_address() {
 
     // With --insecure-no-auth it starts; it is only ever spoken to on
     // 127.0.0.1, then stopped.
-    let s = Server::serve_args(&["--listen", "0.0.0.0:0", "--insecure-no-auth"]);
+    let s = Server::serve_args(&[
+        "--listen",
+        "0.0.0.0:0",
+        "--insecure-no-auth",
+        "--data-dir",
+        "",
+    ]);
     assert!(s.base.starts_with("http://127.0.0.1:"), "{}", s.base);
     s.get("/healthz", None).await.expect(200);
     s.get("/v1/scopes/tenant:acme", None).await.expect(200);

@@ -44,9 +44,12 @@ fn the_starter_is_self_contained_and_safe() {
     assert!(config.gateway.is_none());
     assert!(STARTER.lines().any(|l| l.trim() == "# [gateway]"));
     assert!(STARTER.lines().any(|l| l.trim() == "# [[tokens]]"));
-    // Memory only until the durable store exists.
+    // The durable embedded store in ./allowance-data, fsync before answering.
     assert_eq!(config.store.kind, StoreKind::Embedded);
-    assert_eq!(config.store.data_dir, None);
+    assert_eq!(
+        config.store.data_dir.as_deref(),
+        Some(std::path::Path::new(allowance_config::DEFAULT_DATA_DIR))
+    );
     // Uncommenting the gateway section (the file's end) gives a file that
     // still parses, once its key has a real hash.
     let hash = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";

@@ -20,13 +20,15 @@ use std::fmt;
 use jiff::civil::{DateTime, Time};
 use jiff::tz::{AmbiguousOffset, TimeZone};
 use jiff::{Span, Timestamp};
+use serde::de::{self, Visitor};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 const MINUTE_MS: u64 = 60_000;
 const HOUR_MS: u64 = 60 * MINUTE_MS;
 const DAY_MS: u64 = 24 * HOUR_MS;
 
 /// Unit of a calendar window.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum CalendarUnit {
     /// From one top of the minute to the next.
     Minute,
@@ -116,6 +118,44 @@ impl Zone {
     /// Whether this is UTC (fast path).
     pub fn is_utc(&self) -> bool {
         &*self.name == "UTC"
+    }
+}
+
+/// Longest zone name a decoder looks up (the longest IANA name has 32
+/// characters): a corrupt name is refused before it reaches the database.
+const MAX_ZONE_NAME_LEN: usize = 64;
+
+/// Encoded as its name.
+impl Serialize for Zone {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.name)
+    }
+}
+
+/// Decoded through [`Zone::named`]: a zone this build does not know is an error.
+impl<'de> Deserialize<'de> for Zone {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct ZoneVisitor;
+
+        impl Visitor<'_> for ZoneVisitor {
+            type Value = Zone;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an IANA time zone name or \"UTC\"")
+            }
+
+            fn visit_str<E: de::Error>(self, name: &str) -> Result<Zone, E> {
+                if name.len() > MAX_ZONE_NAME_LEN {
+                    return Err(E::custom(format!(
+                        "a time zone name of {} bytes",
+                        name.len()
+                    )));
+                }
+                Zone::named(name).map_err(E::custom)
+            }
+        }
+
+        d.deserialize_str(ZoneVisitor)
     }
 }
 

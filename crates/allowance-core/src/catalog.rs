@@ -3,6 +3,9 @@
 //! an admin may change at run time (effective for the next operation).
 
 use std::collections::HashMap as StdHashMap;
+use std::collections::HashSet;
+
+use serde::{Deserialize, Serialize, Serializer};
 
 /// Catalog maps are read on every plan resolution: a fast hash (foldhash,
 /// randomly seeded, so tenant-chosen names cannot aim at collisions).
@@ -27,7 +30,10 @@ pub const MAX_LABEL_KEY_LEN: usize = 64;
 pub const MAX_LABEL_VALUE_LEN: usize = 256;
 
 /// Reservation settings (`[reservations]` in CONFIG.md).
-#[derive(Clone, Debug, PartialEq, Eq)]
+///
+/// Decoding checks them with [`Settings::validate`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "SettingsFields")]
 pub struct Settings {
     /// TTL of a reservation that names none.
     pub default_ttl_ms: u64,
@@ -41,6 +47,34 @@ pub struct Settings {
     pub max_scopes: usize,
     /// Labels per reservation.
     pub max_labels: usize,
+}
+
+/// [`Settings`]' encoded fields, before they are checked.
+#[derive(Deserialize)]
+struct SettingsFields {
+    default_ttl_ms: u64,
+    max_ttl_ms: u64,
+    idempotency_retention_ms: u64,
+    ended_retention_ms: u64,
+    max_scopes: usize,
+    max_labels: usize,
+}
+
+impl TryFrom<SettingsFields> for Settings {
+    type Error = Invalid;
+
+    fn try_from(f: SettingsFields) -> Result<Settings, Invalid> {
+        let s = Settings {
+            default_ttl_ms: f.default_ttl_ms,
+            max_ttl_ms: f.max_ttl_ms,
+            idempotency_retention_ms: f.idempotency_retention_ms,
+            ended_retention_ms: f.ended_retention_ms,
+            max_scopes: f.max_scopes,
+            max_labels: f.max_labels,
+        };
+        s.validate()?;
+        Ok(s)
+    }
 }
 
 impl Default for Settings {
@@ -88,7 +122,7 @@ impl Settings {
 }
 
 /// How a kind of scope is configured.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KindSpec {
     /// The default plan of scopes of this kind (`None`: no limits).
     pub plan: Option<String>,
@@ -98,7 +132,7 @@ pub struct KindSpec {
 }
 
 /// A per-scope override: another plan (a tier change) or its own limits.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum Override {
     /// Move the scope to this named plan.
     Plan(String),
@@ -109,7 +143,16 @@ pub enum Override {
 /// The ledger's configuration. Cloning is cheap enough for admin changes
 /// (plans are shared), and every change bumps an epoch so scopes re-resolve
 /// their plan on their next operation, never in a scan.
-#[derive(Clone, Debug)]
+///
+/// Encoded as its settings, custom dimensions (in order: their numbers),
+/// plans, kinds, overrides and models, each list sorted by name, so one
+/// configuration has one encoding (two catalogs are the same configuration
+/// when they encode the same). The epoch is not encoded: it means something
+/// only to the ledger that counted it. Decoding rebuilds the catalog through
+/// its own setters and refuses a repeated name or a reference to a plan it
+/// does not hold.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(try_from = "CatalogFields")]
 pub struct Catalog {
     settings: Settings,
     kinds: HashMap<String, KindSpec>,
@@ -119,6 +162,107 @@ pub struct Catalog {
     custom_dimensions: Vec<String>,
     unlimited: Arc<Plan>,
     epoch: u64,
+}
+
+/// What a [`Catalog`] encodes, borrowed and in its encoding's order.
+#[derive(Serialize)]
+struct CatalogView<'a> {
+    settings: &'a Settings,
+    custom_dimensions: &'a [String],
+    plans: Vec<&'a Arc<Plan>>,
+    kinds: Vec<(&'a str, &'a KindSpec)>,
+    overrides: Vec<(&'a ScopeKey, &'a Override)>,
+    models: Vec<(&'a str, &'a ModelPrice)>,
+}
+
+impl Serialize for Catalog {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut plans: Vec<&Arc<Plan>> = self.plans.values().collect();
+        plans.sort_unstable_by(|a, b| a.name().cmp(b.name()));
+        let mut kinds: Vec<(&str, &KindSpec)> =
+            self.kinds.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        kinds.sort_unstable_by_key(|(k, _)| *k);
+        let mut overrides: Vec<(&ScopeKey, &Override)> = self.overrides.iter().collect();
+        overrides.sort_unstable_by_key(|(k, _)| *k);
+        let mut models: Vec<(&str, &ModelPrice)> =
+            self.models.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        models.sort_unstable_by_key(|(k, _)| *k);
+        CatalogView {
+            settings: &self.settings,
+            custom_dimensions: &self.custom_dimensions,
+            plans,
+            kinds,
+            overrides,
+            models,
+        }
+        .serialize(s)
+    }
+}
+
+/// A [`Catalog`]'s encoded fields, before they are checked.
+#[derive(Deserialize)]
+struct CatalogFields {
+    settings: Settings,
+    custom_dimensions: Vec<String>,
+    plans: Vec<Arc<Plan>>,
+    kinds: Vec<(String, KindSpec)>,
+    overrides: Vec<(ScopeKey, Override)>,
+    models: Vec<(String, ModelPrice)>,
+}
+
+impl TryFrom<CatalogFields> for Catalog {
+    type Error = Invalid;
+
+    fn try_from(f: CatalogFields) -> Result<Catalog, Invalid> {
+        let repeated = |field: &str, name: &dyn std::fmt::Display| {
+            Err(Invalid::new(field, format!("{name} is given twice")))
+        };
+        let mut c = Catalog::new(f.settings)?;
+        for name in &f.custom_dimensions {
+            // A repeat (or a built-in name) would shift the numbers of
+            // every dimension after it.
+            if c.dimension(name).is_some() {
+                return repeated("custom_dimensions", name);
+            }
+            c.add_dimension(name)?;
+        }
+        for plan in f.plans {
+            if c.plans.contains_key(plan.name()) {
+                return repeated("plans", &plan.name());
+            }
+            c.plans.insert(plan.name().to_string(), plan);
+        }
+        let mut kinds = HashSet::new();
+        for (name, spec) in &f.kinds {
+            if !kinds.insert(name.as_str()) {
+                return repeated("kinds", name);
+            }
+            c.set_kind(name, spec.plan.as_deref(), spec.shared)?;
+        }
+        // Whether an override's scope fits its kind is checked when it is
+        // set, not here: a kind may have been redefined since.
+        for (scope, over) in f.overrides {
+            if c.overrides.contains_key(&scope) {
+                return repeated("overrides", &scope);
+            }
+            if let Override::Plan(name) = &over
+                && !c.plans.contains_key(name)
+            {
+                return Err(Invalid::new(
+                    format!("overrides.{scope}"),
+                    format!("no plan named {name:?}"),
+                ));
+            }
+            c.overrides.insert(scope, over);
+        }
+        for (name, price) in f.models {
+            if c.models.contains_key(&name) {
+                return repeated("models", &name);
+            }
+            c.set_model(&name, price)?;
+        }
+        Ok(c)
+    }
 }
 
 impl Default for Catalog {
@@ -159,6 +303,13 @@ impl Catalog {
     /// Changes the epoch, so every scope re-resolves its plan.
     fn bump(&mut self) {
         self.epoch += 1;
+    }
+
+    /// Moves the epoch past `previous` (a catalog replacing one whose
+    /// epoch was `previous`), so every scope re-resolves its plan even when
+    /// this catalog was built or decoded elsewhere.
+    pub(crate) fn follow_epoch(&mut self, previous: u64) {
+        self.epoch = self.epoch.max(previous) + 1;
     }
 
     #[inline]

@@ -65,6 +65,7 @@ mod reservation;
 mod scope;
 mod shard;
 mod shared;
+mod snapshot;
 mod store;
 mod sync;
 mod units;
@@ -88,7 +89,8 @@ pub use reservation::{
     ScopeStatus, Status, Usage,
 };
 pub use scope::{MAX_ID_LEN, MAX_KIND_LEN, ScopeKey, ScopeSet, TENANT_KIND, valid_id, valid_kind};
-pub use shared::{Outcome, SharedLedger};
+pub use shared::{Committed, Journal, NoJournal, Outcome, SharedLedger};
+pub use snapshot::{LedgerSnapshot, SNAPSHOT_FORMAT, SnapshotError};
 pub use store::{
     CatalogChange, Clock, EmbeddedStore, IdSource, ManualClock, SeededIds, Store, StoreError,
     StoreStats, Unavailable,

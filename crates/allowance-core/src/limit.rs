@@ -2,6 +2,8 @@
 
 use std::fmt;
 
+use serde::{Deserialize, Serialize};
+
 use crate::calendar::{CalendarUnit, Zone};
 use crate::error::Invalid;
 use crate::units::{Dimension, MAX_AMOUNT};
@@ -50,7 +52,7 @@ impl fmt::Display for WindowKind {
 }
 
 /// A window with its parameters.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Window {
     /// Usage over the last `period_ms`, made of `slices` epoch-aligned slices
     /// of `period_ms / slices` each: approximate to one slice, and no instant
@@ -109,13 +111,39 @@ impl Window {
 /// assert_eq!(l.capacity(), 200_000);
 /// assert!(Limit::new(Dimension::TOKENS, 0, Window::Total).is_err());
 /// ```
-#[derive(Clone, Debug, PartialEq, Eq)]
+///
+/// Encoded as its dimension, capacity, window and guarantee; decoded
+/// through [`Limit::new`] and [`Limit::with_guaranteed`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "LimitFields")]
 pub struct Limit {
     dimension: Dimension,
     capacity: u64,
     window: Window,
     guaranteed: u64,
+    #[serde(skip)]
     pub(crate) fast: Fast,
+}
+
+/// A [`Limit`]'s encoded fields, before they are checked.
+#[derive(Deserialize)]
+struct LimitFields {
+    dimension: Dimension,
+    capacity: u64,
+    window: Window,
+    guaranteed: u64,
+}
+
+impl TryFrom<LimitFields> for Limit {
+    type Error = Invalid;
+
+    fn try_from(f: LimitFields) -> Result<Limit, Invalid> {
+        let limit = Limit::new(f.dimension, f.capacity, f.window)?;
+        if f.guaranteed == 0 {
+            return Ok(limit);
+        }
+        limit.with_guaranteed(f.guaranteed)
+    }
 }
 
 /// A window's kind with its parameters precomputed for the hot path (the

@@ -1,10 +1,12 @@
 //! The model table: prices per million tokens, and the cost of a call.
 
+use serde::{Deserialize, Serialize};
+
 use crate::error::Invalid;
 
 /// Per-model pricing and defaults, in micro-units of the deployment's
 /// currency per million tokens (so "2.50" EUR per million is 2_500_000).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModelPrice {
     /// Price of a million uncached input tokens.
     pub input_micros_per_million: u64,

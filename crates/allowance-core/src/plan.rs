@@ -2,6 +2,8 @@
 
 use std::sync::Arc;
 
+use serde::{Deserialize, Serialize};
+
 use crate::error::Invalid;
 use crate::limit::{Fast, Limit};
 use crate::units::Dimension;
@@ -13,7 +15,7 @@ pub const MAX_LIMITS_PER_PLAN: usize = 32;
 /// What a settle records when the actual usage exceeds what was held: a
 /// strategy chosen per plan (the tenant's plan governs a reservation) and
 /// fixed at reserve time.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum OverrunPolicy {
     /// Record the actual usage; a budget may go below zero (honest accounting).
     #[default]
@@ -129,20 +131,45 @@ impl ByKind {
 
 /// A named list of limits: a tier (`free`, `plus`, `enterprise`), or the
 /// limits given to one scope by an override.
-#[derive(Debug)]
+///
+/// Encoded as its name, limits, overrun policy and queue weight; decoded
+/// through [`Plan::with_weight`]'s checks (the layout is worked out again).
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(try_from = "PlanFields")]
 pub struct Plan {
     name: Box<str>,
     limits: Box<[Limit]>,
     overrun: OverrunPolicy,
     queue_weight: u32,
     /// Where each limit's state starts in a scope's state words.
+    #[serde(skip)]
     pub(crate) offsets: Box<[u32]>,
     /// What the hot loops read of each limit, in plan order, in one array.
+    #[serde(skip)]
     pub(crate) hot: Box<[Hot]>,
     /// The same, grouped by window kind.
+    #[serde(skip)]
     pub(crate) by_kind: ByKind,
     /// Words of state a scope on this plan needs (a timestamp first).
+    #[serde(skip)]
     pub(crate) words: u32,
+}
+
+/// A [`Plan`]'s encoded fields, before they are checked.
+#[derive(Deserialize)]
+struct PlanFields {
+    name: String,
+    limits: Vec<Limit>,
+    overrun: OverrunPolicy,
+    queue_weight: u32,
+}
+
+impl TryFrom<PlanFields> for Plan {
+    type Error = Invalid;
+
+    fn try_from(f: PlanFields) -> Result<Plan, Invalid> {
+        Plan::build(&f.name, f.limits, f.overrun, f.queue_weight)
+    }
 }
 
 impl Plan {
@@ -171,6 +198,16 @@ impl Plan {
         overrun: OverrunPolicy,
         queue_weight: u32,
     ) -> Result<Arc<Plan>, Invalid> {
+        Plan::build(name, limits, overrun, queue_weight).map(Arc::new)
+    }
+
+    /// [`Plan::with_weight`] before it is shared (a decoder builds one too).
+    fn build(
+        name: &str,
+        limits: Vec<Limit>,
+        overrun: OverrunPolicy,
+        queue_weight: u32,
+    ) -> Result<Plan, Invalid> {
         if name.is_empty() || name.len() > 64 {
             return Err(Invalid::new("name", "a plan name has 1 to 64 characters"));
         }
@@ -216,7 +253,7 @@ impl Plan {
             })
             .collect();
         let hot: Box<[Hot]> = hot;
-        Ok(Arc::new(Plan {
+        Ok(Plan {
             by_kind: ByKind::new(&hot),
             hot,
             name: name.into(),
@@ -225,7 +262,7 @@ impl Plan {
             queue_weight,
             offsets: offsets.into(),
             words,
-        }))
+        })
     }
 
     /// The plan's name.

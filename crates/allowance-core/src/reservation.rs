@@ -3,6 +3,8 @@
 use std::fmt;
 use std::sync::Arc;
 
+use serde::{Deserialize, Serialize};
+
 use crate::limit::WindowKind;
 use crate::plan::OverrunPolicy;
 use crate::scope::{ScopeKey, ScopeSet};
@@ -12,8 +14,24 @@ use crate::units::{Amounts, Timestamp};
 /// the boundary, passed in, so a replayed log makes the same ids). The low
 /// 8 bits may carry a tag of the tenant ([`ReservationId::mint`]) so a
 /// sharded ledger finds a reservation's home without a global index.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+///
+/// Encoded as its 16 bytes, little-endian: ids are random, so a varint
+/// would only make them longer.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(from = "[u8; 16]", into = "[u8; 16]")]
 pub struct ReservationId(pub u128);
+
+impl From<[u8; 16]> for ReservationId {
+    fn from(bytes: [u8; 16]) -> Self {
+        ReservationId(u128::from_le_bytes(bytes))
+    }
+}
+
+impl From<ReservationId> for [u8; 16] {
+    fn from(id: ReservationId) -> Self {
+        id.0.to_le_bytes()
+    }
+}
 
 impl ReservationId {
     /// An id from 128 random bits, with the low 8 replaced by the tenant's
@@ -73,7 +91,7 @@ impl fmt::Debug for ReservationId {
 }
 
 /// Where a reservation is in its life.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Status {
     /// Holding its amounts on every scope.
     Held,
@@ -109,7 +127,10 @@ pub type Labels = Arc<[(String, String)]>;
 /// A reserve request. Build the scopes with
 /// [`Catalog::scope_set`](crate::Catalog::scope_set); a request can be
 /// reused (its shared parts are reference counted).
-#[derive(Clone, Debug)]
+///
+/// Its encoding is every field as given: the engine checks a request when
+/// it runs it, so a decoded request is refused exactly as a received one.
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ReserveRequest {
     /// The tenant scope first, then the others.
     pub scopes: ScopeSet,
@@ -186,7 +207,7 @@ pub struct Granted {
 }
 
 /// Usage reported at settle.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Usage {
     /// Actual amounts (a missing dimension counts as 0).
     pub amounts: Amounts,
@@ -197,7 +218,7 @@ pub struct Usage {
 }
 
 /// A non-token charge recorded at settle.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Charge {
     /// What it was for (`search`).
     pub name: String,
@@ -208,7 +229,7 @@ pub struct Charge {
 }
 
 /// A reservation, as read back.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Reservation {
     /// Its id.
     pub id: ReservationId,

@@ -11,6 +11,11 @@ use std::fmt;
 use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::{Arc, LazyLock};
 
+use serde::de::{self, SeqAccess, Visitor};
+use serde::ser::SerializeSeq;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::catalog::MAX_SCOPES_LIMIT;
 use crate::error::Invalid;
 
 /// Longest kind name (TigerStyle: a limit on everything).
@@ -231,6 +236,34 @@ impl fmt::Display for ScopeKey {
     }
 }
 
+/// Encoded as the canonical name.
+impl Serialize for ScopeKey {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+/// Decoded through [`ScopeKey::parse`]: a bad name is an error, never a key.
+impl<'de> Deserialize<'de> for ScopeKey {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct NameVisitor;
+
+        impl Visitor<'_> for NameVisitor {
+            type Value = ScopeKey;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a canonical scope name")
+            }
+
+            fn visit_str<E: de::Error>(self, name: &str) -> Result<ScopeKey, E> {
+                ScopeKey::parse(name).map_err(E::custom)
+            }
+        }
+
+        d.deserialize_str(NameVisitor)
+    }
+}
+
 /// The scopes of one reservation: the tenant scope first, then the others in
 /// the order of the request, without duplicates. Shared between requests and
 /// the reservations they create (cloning is one reference count).
@@ -255,6 +288,37 @@ impl ScopeSet {
             tenant_tag,
             any_shared,
         }
+    }
+
+    /// A set from canonical keys, checked for the shape
+    /// [`Catalog::scope_set`](crate::Catalog::scope_set) gives (what the
+    /// catalog configures — kinds, `max_scopes` — is not its business): 1 to
+    /// [`MAX_SCOPES_LIMIT`] keys, a tenant scope first, then scopes of that
+    /// tenant or shared ones, no repeats. The engine routes and locks by this
+    /// shape, so a set read from outside is built only through here.
+    pub(crate) fn from_keys(keys: Vec<ScopeKey>) -> Result<ScopeSet, Invalid> {
+        let bad = |why: String| Err(Invalid::new("scopes", why));
+        let Some(tenant) = keys.first() else {
+            return bad("no scopes: the tenant scope comes first".into());
+        };
+        if keys.len() > MAX_SCOPES_LIMIT {
+            return bad(format!("{} scopes, at most {MAX_SCOPES_LIMIT}", keys.len()));
+        }
+        if !tenant.is_tenant() {
+            return bad(format!("{tenant} comes first, not a tenant scope"));
+        }
+        for (i, key) in keys.iter().enumerate().skip(1) {
+            if key.is_tenant() {
+                return bad(format!("{key} is a second tenant scope"));
+            }
+            if !key.is_shared() && key.tenant_name() != tenant.tenant_name() {
+                return bad(format!("{key} is not a scope of {tenant}"));
+            }
+            if keys[..i].contains(key) {
+                return bad(format!("{key} is repeated"));
+            }
+        }
+        Ok(ScopeSet::from_vec(keys))
     }
 
     /// The tenant's routing tag ([`ReservationId::tenant_tag`](crate::ReservationId::tenant_tag)).
@@ -298,6 +362,49 @@ impl ScopeSet {
             return false;
         }
         self.keys.iter().all(|s| other.keys.contains(s))
+    }
+}
+
+/// Encoded as its keys, the tenant first.
+impl Serialize for ScopeSet {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut seq = s.serialize_seq(Some(self.keys.len()))?;
+        for key in self.keys.iter() {
+            seq.serialize_element(key)?;
+        }
+        seq.end()
+    }
+}
+
+/// Decoded with the checks of a reservation's scopes: 1 to
+/// [`MAX_SCOPES_LIMIT`] keys (reading stops at the first past it), a tenant
+/// scope first, then scopes of that tenant or shared ones, no repeats.
+impl<'de> Deserialize<'de> for ScopeSet {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct KeysVisitor;
+
+        impl<'de> Visitor<'de> for KeysVisitor {
+            type Value = ScopeSet;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("the scope names of a reservation, the tenant first")
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<ScopeSet, A::Error> {
+                let mut keys = Vec::new();
+                while let Some(key) = seq.next_element::<ScopeKey>()? {
+                    if keys.len() == MAX_SCOPES_LIMIT {
+                        return Err(de::Error::custom(format!(
+                            "scopes: more than {MAX_SCOPES_LIMIT}"
+                        )));
+                    }
+                    keys.push(key);
+                }
+                ScopeSet::from_keys(keys).map_err(de::Error::custom)
+            }
+        }
+
+        d.deserialize_seq(KeysVisitor)
     }
 }
 

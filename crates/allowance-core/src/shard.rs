@@ -143,6 +143,83 @@ impl ScopeState {
         self.trim_extra();
     }
 
+    /// A scope as a snapshot recorded it: on `plan` as of catalog `epoch`,
+    /// with its state words and wide slices, and nothing held yet (holds are
+    /// added with [`ShardState::add_hold`]). Refused if the words do not fit
+    /// the plan ([`ScopeState::check_layout`]).
+    pub(crate) fn restored(
+        key: ScopeKey,
+        (plan, epoch): (Arc<Plan>, u64),
+        words: Box<[u64]>,
+        wide: SmallVec<[(u8, Box<[u64]>); 1]>,
+    ) -> Result<Self, String> {
+        let wide_mask = wide.iter().fold(0u32, |m, (k, _)| {
+            m | 1u32.checked_shl(u32::from(*k)).unwrap_or(0)
+        });
+        let st = ScopeState {
+            key,
+            words,
+            plan,
+            epoch,
+            held_count: 0,
+            gc_queued: false,
+            wide_mask,
+            extra: (!wide.is_empty()).then(|| {
+                Box::new(Extra {
+                    wide,
+                    ..Extra::default()
+                })
+            }),
+        };
+        st.check_layout()?;
+        Ok(st)
+    }
+
+    /// Checks that the state words fit the plan: their number, each limit's
+    /// words ([`window::check_words`]), and one wide-slices entry per bit of
+    /// `wide_mask`, each for a sliding limit of the plan.
+    pub(crate) fn check_layout(&self) -> Result<(), String> {
+        let limits = self.plan.limits();
+        if self.words.len() != self.plan.words as usize {
+            return Err(format!(
+                "{} state words, its plan {:?} has {}",
+                self.words.len(),
+                self.plan.name(),
+                self.plan.words
+            ));
+        }
+        let wide = self.extra.as_ref().map_or(&[][..], |e| &e.wide[..]);
+        let mut mask = 0u32;
+        for (k, _) in wide {
+            let bit = 1u32.checked_shl(u32::from(*k)).unwrap_or(0);
+            if usize::from(*k) >= limits.len() || mask & bit != 0 {
+                return Err(format!("wide slices for limit {k}, given twice or absent"));
+            }
+            mask |= bit;
+        }
+        if mask != self.wide_mask {
+            return Err(format!(
+                "wide slices of limits {mask:#b}, marked {:#b}",
+                self.wide_mask
+            ));
+        }
+        for (i, limit) in limits.iter().enumerate() {
+            let at = self.plan.offsets[i] as usize;
+            let end = self
+                .plan
+                .offsets
+                .get(i + 1)
+                .map_or(self.words.len(), |&o| o as usize);
+            let w = wide
+                .iter()
+                .find(|(k, _)| usize::from(*k) == i)
+                .map(|(_, w)| &w[..]);
+            window::check_words(limit, &self.words[at..end], w)
+                .map_err(|e| format!("limit {i}: {e}"))?;
+        }
+        Ok(())
+    }
+
     /// The state of limit `i`.
     #[inline]
     pub(crate) fn state(&mut self, i: usize) -> State<'_> {
@@ -639,6 +716,48 @@ impl ShardState {
         }
     }
 
+    /// Adds a restored scope ([`ScopeState::restored`]), queued for the
+    /// idle-scope collector at `gc_due_ms` when given. Refused if the shard
+    /// already has a scope of that name.
+    pub(crate) fn restore_scope(
+        &mut self,
+        mut st: ScopeState,
+        gc_due_ms: Option<u64>,
+    ) -> Result<u32, String> {
+        if self.slot_of(&st.key).is_some() {
+            return Err(format!("{} has two states", st.key));
+        }
+        let hash = name_hash(&st.key);
+        st.gc_queued = gc_due_ms.is_some();
+        let ShardState {
+            index,
+            scopes,
+            free_scopes,
+            gc,
+            ..
+        } = self;
+        let slot = match free_scopes.pop() {
+            Some(s) => {
+                scopes[s as usize] = Some(st);
+                s
+            }
+            None => {
+                scopes.push(Some(st));
+                (scopes.len() - 1) as u32
+            }
+        };
+        let scopes = &*scopes;
+        index.insert_unique(hash, slot, |&j| {
+            scopes[j as usize]
+                .as_ref()
+                .map_or(0, |st| name_hash(&st.key))
+        });
+        if let Some(due) = gc_due_ms {
+            gc.push(Reverse((due, slot)));
+        }
+        Ok(slot)
+    }
+
     /// [`ShardState::scope_slot`] and whether `requested(dim)` more fits
     /// under every limit of the scope ([`ScopeState::advance_and_fit`]).
     #[inline]
@@ -842,7 +961,12 @@ impl ShardState {
                 rec.res.status = Status::Expired;
                 rec.res.ended_at = Some(crate::Timestamp::from_millis(expires_ms));
                 rec.hold_slot = NO_SLOT;
-                self.schedule_drop(catalog, owner, now);
+                // Retention counts from the expiry itself, not from when it
+                // was observed: what is remembered is then a function of
+                // time alone, the same in a ledger rebuilt from its log.
+                // (Holds expire in due order, each due after the instant of
+                // any earlier observation, so the queue stays sorted.)
+                self.schedule_drop(catalog, owner, expires_ms);
             }
         }
         for keyed in [false, true] {

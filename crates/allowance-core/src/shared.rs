@@ -20,7 +20,7 @@ use crate::units::{Amounts, Dimension, Timestamp};
 /// different tenants do not slow each other down through false sharing.
 #[repr(align(128))]
 #[derive(Debug)]
-struct Padded<T>(T);
+pub(crate) struct Padded<T>(pub(crate) T);
 
 /// What a settle, refund or extend answers without copying the whole
 /// reservation.
@@ -48,6 +48,93 @@ impl From<&Reservation> for Outcome {
             expires_at: r.expires_at,
         }
     }
+}
+
+/// A change the ledger applied, as the command that reproduces it.
+///
+/// Handed to a [`Journal`] while the operation's shard locks are still
+/// held, so for every shard the journal's order is the order the shard
+/// applied its changes: replaying the journal through the same engine, with
+/// the same instants, rebuilds the same state. `now` is the instant the
+/// operation used (the clock's reading, or later if a shard had already
+/// observed a later one), never the wall clock at replay.
+#[derive(Clone, Copy, Debug)]
+pub enum Committed<'a> {
+    /// A reserve that held something (not a dry run, not an idempotent repeat).
+    Reserve {
+        /// The instant used.
+        now: Timestamp,
+        /// The minted id.
+        id: ReservationId,
+        /// The request as received.
+        req: &'a ReserveRequest,
+    },
+    /// A settle that was accepted (a repeat included: replaying it is harmless).
+    Settle {
+        /// The instant used.
+        now: Timestamp,
+        /// The reservation.
+        id: ReservationId,
+        /// The usage as received.
+        usage: &'a Usage,
+    },
+    /// A refund that was accepted.
+    Refund {
+        /// The instant used.
+        now: Timestamp,
+        /// The reservation.
+        id: ReservationId,
+    },
+    /// An extend that was accepted.
+    Extend {
+        /// The instant used.
+        now: Timestamp,
+        /// The reservation.
+        id: ReservationId,
+        /// The new hold, if given.
+        amounts: Option<&'a Amounts>,
+        /// The new time to live, if given.
+        ttl_ms: Option<u64>,
+    },
+    /// An admin credit or debit.
+    Adjust {
+        /// The instant used.
+        now: Timestamp,
+        /// The scope adjusted.
+        scope: &'a ScopeKey,
+        /// The dimension adjusted.
+        dimension: Dimension,
+        /// Positive: a credit; negative: a debit.
+        credit: i64,
+    },
+    /// A configuration change (every shard's lock is held).
+    Catalog(&'a crate::store::CatalogChange),
+}
+
+/// Where a [`SharedLedger`] reports the changes it applied (a write-ahead
+/// log). `commit` runs under shard locks: it must only queue (no I/O, no
+/// waiting) and must never call back into the ledger.
+pub trait Journal {
+    /// What the caller gets back to wait on (e.g. the log position).
+    type Ticket;
+    /// Records one applied change.
+    fn commit(&self, change: &Committed<'_>) -> Self::Ticket;
+}
+
+/// The journal of a ledger that keeps nothing (memory only): free.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoJournal;
+
+impl Journal for NoJournal {
+    type Ticket = ();
+    #[inline(always)]
+    fn commit(&self, _change: &Committed<'_>) {}
+}
+
+/// The instant an operation used: the home shard observed it last.
+#[inline]
+fn used_now(l: &Locked<'_>) -> Timestamp {
+    Timestamp::from_millis(l.parts[l.home].1.now_ms)
 }
 
 /// The ledger shared by many threads: linearizable, with no global lock.
@@ -79,9 +166,9 @@ impl From<&Reservation> for Outcome {
 /// ```
 #[derive(Debug)]
 pub struct SharedLedger {
-    shards: Box<[Padded<Mutex<Shard>>]>,
-    router: Router,
-    catalog: Mutex<Arc<Catalog>>,
+    pub(crate) shards: Box<[Padded<Mutex<Shard>>]>,
+    pub(crate) router: Router,
+    pub(crate) catalog: Mutex<Arc<Catalog>>,
 }
 
 impl SharedLedger {
@@ -124,6 +211,42 @@ impl SharedLedger {
         }
         *current = next;
         Ok(r)
+    }
+
+    /// Applies an admin change and journals it, ordered against every
+    /// shard's operations: all shard locks are held (ascending) while the
+    /// catalog is swapped and the change committed, so a replay sees it
+    /// exactly between the same operations as the live ledger did.
+    pub fn change_catalog_journaled<J: Journal>(
+        &self,
+        change: &crate::store::CatalogChange,
+        journal: &J,
+    ) -> Result<J::Ticket, AdminError> {
+        let mut current = self.catalog.lock();
+        let mut next = (**current).clone();
+        change.apply(&mut next)?;
+        let next = Arc::new(next);
+        let mut guards: Vec<MutexGuard<'_, Shard>> =
+            self.shards.iter().map(|s| s.0.lock()).collect();
+        for g in guards.iter_mut() {
+            g.catalog = next.clone();
+        }
+        *current = next;
+        Ok(journal.commit(&Committed::Catalog(change)))
+    }
+
+    /// Replaces the whole configuration (a restart with an edited file),
+    /// under every shard lock. Not journaled: the caller logs what it needs.
+    pub fn replace_catalog(&self, mut catalog: Catalog) {
+        let mut current = self.catalog.lock();
+        catalog.follow_epoch(current.epoch());
+        let next = Arc::new(catalog);
+        let mut guards: Vec<MutexGuard<'_, Shard>> =
+            self.shards.iter().map(|s| s.0.lock()).collect();
+        for g in guards.iter_mut() {
+            g.catalog = next.clone();
+        }
+        *current = next;
     }
 
     /// Runs `f` with the given shards locked (ascending, deduplicated).
@@ -208,20 +331,45 @@ impl SharedLedger {
         id: ReservationId,
         req: &ReserveRequest,
     ) -> Result<Granted, ReserveError> {
+        self.reserve_journaled(now, id, req, &NoJournal).0
+    }
+
+    /// [`SharedLedger::reserve`], journaling a grant that held something
+    /// (the ticket is `None` for a denial, a dry run or an idempotent repeat).
+    pub fn reserve_journaled<J: Journal>(
+        &self,
+        now: Timestamp,
+        id: ReservationId,
+        req: &ReserveRequest,
+        journal: &J,
+    ) -> (Result<Granted, ReserveError>, Option<J::Ticket>) {
         if id.tag() != req.scopes.tenant_tag() {
-            return Err(
-                Invalid::new("id", "the reservation id was not minted for this tenant").into(),
+            return (
+                Err(Invalid::new("id", "the reservation id was not minted for this tenant").into()),
+                None,
             );
         }
+        let run = |l: &mut Locked<'_>| {
+            let r = l.reserve(now, id, req);
+            let ticket = match &r {
+                Ok(g) if !g.replayed && !g.dry_run => Some(journal.commit(&Committed::Reserve {
+                    now: used_now(l),
+                    id,
+                    req,
+                })),
+                _ => None,
+            };
+            (r, ticket)
+        };
         // The id carries the tenant's tag (checked above): it routes home.
         let home = self.router.of_id(id);
         if !req.scopes.any_shared() {
             // Every scope lives in the tenant's shard.
             let mut g = self.shards[home].0.lock();
-            return Self::run_home(&mut g, home, self.router, |l| l.reserve(now, id, req));
+            return Self::run_home(&mut g, home, self.router, run);
         }
         let shards = self.router.shards_of(&req.scopes);
-        self.with_shards(&shards, home, |l| l.reserve(now, id, req))
+        self.with_shards(&shards, home, run)
     }
 
     /// Settles (see [`Ledger::settle`](crate::Ledger::settle)).
@@ -243,8 +391,26 @@ impl SharedLedger {
         id: ReservationId,
         usage: &Usage,
     ) -> Result<Reservation, SettleError> {
+        self.settle_journaled(now, id, usage, &NoJournal)
+            .map(|(r, ())| r)
+    }
+
+    /// [`SharedLedger::settle_view`], journaling an accepted settle.
+    pub fn settle_journaled<J: Journal>(
+        &self,
+        now: Timestamp,
+        id: ReservationId,
+        usage: &Usage,
+        journal: &J,
+    ) -> Result<(Reservation, J::Ticket), SettleError> {
         self.with_reservation(id, |l| {
-            l.settle(now, id, usage).map(|i| l.res_at(i).clone())
+            let i = l.settle(now, id, usage)?;
+            let ticket = journal.commit(&Committed::Settle {
+                now: used_now(l),
+                id,
+                usage,
+            });
+            Ok((l.res_at(i).clone(), ticket))
         })
     }
 
@@ -261,7 +427,24 @@ impl SharedLedger {
         now: Timestamp,
         id: ReservationId,
     ) -> Result<Reservation, RefundError> {
-        self.with_reservation(id, |l| l.refund(now, id).map(|i| l.res_at(i).clone()))
+        self.refund_journaled(now, id, &NoJournal).map(|(r, ())| r)
+    }
+
+    /// [`SharedLedger::refund_view`], journaling an accepted refund.
+    pub fn refund_journaled<J: Journal>(
+        &self,
+        now: Timestamp,
+        id: ReservationId,
+        journal: &J,
+    ) -> Result<(Reservation, J::Ticket), RefundError> {
+        self.with_reservation(id, |l| {
+            let i = l.refund(now, id)?;
+            let ticket = journal.commit(&Committed::Refund {
+                now: used_now(l),
+                id,
+            });
+            Ok((l.res_at(i).clone(), ticket))
+        })
     }
 
     /// Extends (see [`Ledger::extend`](crate::Ledger::extend)).
@@ -286,9 +469,28 @@ impl SharedLedger {
         amounts: Option<&Amounts>,
         ttl_ms: Option<u64>,
     ) -> Result<Reservation, ExtendError> {
+        self.extend_journaled(now, id, amounts, ttl_ms, &NoJournal)
+            .map(|(r, ())| r)
+    }
+
+    /// [`SharedLedger::extend_view`], journaling an accepted extend.
+    pub fn extend_journaled<J: Journal>(
+        &self,
+        now: Timestamp,
+        id: ReservationId,
+        amounts: Option<&Amounts>,
+        ttl_ms: Option<u64>,
+        journal: &J,
+    ) -> Result<(Reservation, J::Ticket), ExtendError> {
         self.with_reservation(id, |l| {
-            l.extend(now, id, amounts, ttl_ms)
-                .map(|i| l.res_at(i).clone())
+            let i = l.extend(now, id, amounts, ttl_ms)?;
+            let ticket = journal.commit(&Committed::Extend {
+                now: used_now(l),
+                id,
+                amounts,
+                ttl_ms,
+            });
+            Ok((l.res_at(i).clone(), ticket))
         })
     }
 
@@ -311,8 +513,30 @@ impl SharedLedger {
         dimension: Dimension,
         credit: i64,
     ) -> Result<ScopeStatus, AdminError> {
+        self.adjust_journaled(now, scope, dimension, credit, &NoJournal)
+            .map(|(s, ())| s)
+    }
+
+    /// [`SharedLedger::adjust`], journaling an accepted adjustment.
+    pub fn adjust_journaled<J: Journal>(
+        &self,
+        now: Timestamp,
+        scope: &ScopeKey,
+        dimension: Dimension,
+        credit: i64,
+        journal: &J,
+    ) -> Result<(ScopeStatus, J::Ticket), AdminError> {
         let s = self.router.of_scope(scope);
-        self.with_shards(&[s], s, |l| l.adjust(now, scope, dimension, credit))
+        self.with_shards(&[s], s, |l| {
+            let status = l.adjust(now, scope, dimension, credit)?;
+            let ticket = journal.commit(&Committed::Adjust {
+                now: used_now(l),
+                scope,
+                dimension,
+                credit,
+            });
+            Ok((status, ticket))
+        })
     }
 
     /// Expires every hold due at `now` in every shard (one shard locked at a

@@ -110,7 +110,7 @@ pub struct StoreStats {
 }
 
 /// An admin change to the catalog.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub enum CatalogChange {
     /// Define or replace a plan.
     SetPlan(Arc<Plan>),

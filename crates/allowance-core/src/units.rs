@@ -2,6 +2,12 @@
 
 use std::fmt;
 
+use serde::de::{self, SeqAccess, Visitor};
+use serde::ser::SerializeSeq;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::catalog::MAX_CUSTOM_DIMENSIONS;
+
 /// The largest amount accepted anywhere (2^53): every amount survives a trip
 /// through a JSON number (an IEEE double) exactly.
 pub const MAX_AMOUNT: u64 = 1 << 53;
@@ -10,7 +16,9 @@ pub const MAX_AMOUNT: u64 = 1 << 53;
 ///
 /// The engine never reads a clock: every transition takes a `Timestamp`
 /// produced at the boundary, so replaying a log reproduces the same state.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
 pub struct Timestamp(u64);
 
 impl Timestamp {
@@ -38,8 +46,26 @@ impl Timestamp {
 /// What is counted. Built-in dimensions have fixed indices; custom ones
 /// (tool calls, pages) are registered in the [`Catalog`](crate::Catalog) and
 /// numbered after them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+///
+/// Encoded as its index; decoding refuses an index no catalog can have
+/// (past the built-ins and [`MAX_CUSTOM_DIMENSIONS`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(try_from = "u16")]
 pub struct Dimension(pub(crate) u16);
+
+impl TryFrom<u16> for Dimension {
+    type Error = String;
+
+    fn try_from(index: u16) -> Result<Self, Self::Error> {
+        if usize::from(index) >= Dimension::LIMIT {
+            return Err(format!(
+                "dimension #{index}: at most {} dimensions exist",
+                Dimension::LIMIT
+            ));
+        }
+        Ok(Dimension(index))
+    }
+}
 
 impl Dimension {
     /// One per reservation, implied: held while HELD, used once settled.
@@ -57,6 +83,9 @@ impl Dimension {
 
     /// Number of built-in dimensions; custom dimensions start here.
     pub const BUILTIN_COUNT: u16 = 6;
+
+    /// One past the largest index a dimension can have.
+    const LIMIT: usize = Dimension::BUILTIN_COUNT as usize + MAX_CUSTOM_DIMENSIONS;
 
     /// The built-in dimensions, in index order.
     pub const BUILTIN: [Dimension; 6] = [
@@ -288,6 +317,62 @@ impl FromIterator<(Dimension, u64)> for Amounts {
             a.set(d, v);
         }
         a
+    }
+}
+
+/// Encoded as the list of non-zero `(dimension, amount)` pairs in dimension
+/// order, so that decoding can check the shape [`Amounts::iter`] gives and
+/// one set of amounts has one encoding.
+impl Serialize for Amounts {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut seq = s.serialize_seq(Some(self.iter().count()))?;
+        for pair in self.iter() {
+            seq.serialize_element(&pair)?;
+        }
+        seq.end()
+    }
+}
+
+/// Refuses a zero amount, an implied dimension, or dimensions out of order
+/// (a repeat included): none of them is what [`Amounts`] encodes.
+impl<'de> Deserialize<'de> for Amounts {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct AmountsVisitor;
+
+        impl<'de> Visitor<'de> for AmountsVisitor {
+            type Value = Amounts;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("(dimension, amount) pairs in dimension order")
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Amounts, A::Error> {
+                let mut out = Amounts::new();
+                let mut last: Option<Dimension> = None;
+                while let Some((dim, amount)) = seq.next_element::<(Dimension, u64)>()? {
+                    if dim.is_implied() {
+                        return Err(de::Error::custom(format!(
+                            "amounts: {dim:?} is implied, never given"
+                        )));
+                    }
+                    if amount == 0 {
+                        return Err(de::Error::custom(format!(
+                            "amounts: {dim:?} is zero (zeros are dropped)"
+                        )));
+                    }
+                    if last.is_some_and(|l| l >= dim) {
+                        return Err(de::Error::custom(format!(
+                            "amounts: {dim:?} is out of order"
+                        )));
+                    }
+                    last = Some(dim);
+                    out.set(dim, amount);
+                }
+                Ok(out)
+            }
+        }
+
+        d.deserialize_seq(AmountsVisitor)
     }
 }
 

@@ -57,6 +57,40 @@ pub(crate) fn words_of(fast: Fast) -> usize {
     }
 }
 
+/// Checks a limit's state words, and its wide slices if it has any, for
+/// what the arithmetic relies on to index safely: their number, and a
+/// sliding window's ring position within its slices. The values are free:
+/// everything computed from them saturates. (Words read from outside, a
+/// snapshot, are checked so before the engine uses them.)
+pub(crate) fn check_words(
+    limit: &Limit,
+    words: &[u64],
+    wide: Option<&[u64]>,
+) -> Result<(), String> {
+    let n = words_of(limit.fast);
+    if words.len() != n {
+        return Err(format!("{} state words, its window has {n}", words.len()));
+    }
+    match limit.fast {
+        Fast::Sliding { slices, .. } => {
+            if words[2] >= slices {
+                return Err(format!(
+                    "ring position {} of a window of {slices} slices",
+                    words[2]
+                ));
+            }
+            if let Some(w) = wide
+                && w.len() as u64 != slices
+            {
+                return Err(format!("{} wide slices of {slices}", w.len()));
+            }
+        }
+        _ if wide.is_some() => return Err("wide slices on a window without slices".into()),
+        _ => {}
+    }
+    Ok(())
+}
+
 /// Whether `requested` more fits under the limit's capacity with `held`
 /// held, given the limit's words (advanced to now): `requested ≤ capacity −
 /// used − held`, exactly (for a bucket, against the fixed-point level, which
@@ -240,6 +274,14 @@ pub(crate) fn record_narrow(fast: Fast, words: &mut [u64], now_ms: u64, amount: 
     true
 }
 
+/// When slice `k` leaves a window of `n` slices of `w` ms: `(k + n)·w`,
+/// saturating at the end of time (an instant within a period of `u64::MAX`
+/// would overflow).
+#[inline]
+fn slice_end(k: u64, n: u64, w: u64) -> u64 {
+    k.saturating_add(n).saturating_mul(w)
+}
+
 /// The state of one limit of one scope: its words, and its wide slices if it
 /// has any.
 pub(crate) struct State<'a> {
@@ -294,7 +336,7 @@ impl State<'_> {
                     return;
                 }
                 let (s0, s1) = (from_ms / w, now_ms / w);
-                self.words[1] = (s1 + 1).saturating_mul(w);
+                self.words[1] = s1.saturating_add(1).saturating_mul(w);
                 self.words[2] = s1 % n;
                 if s1 <= s0 {
                     return;
@@ -435,17 +477,17 @@ impl State<'_> {
                 slices: n,
             } => {
                 let cur = now_ms / w;
-                let oldest = (cur + 1).saturating_sub(n);
+                let oldest = cur.saturating_add(1).saturating_sub(n);
                 let total = self.words[0];
                 let sl = self.slices();
                 let mut left = total;
                 for k in oldest..=cur {
                     left = left.saturating_sub(sl.get((k % n) as usize));
                     if left <= target {
-                        return Some(((k + n) * w).saturating_sub(now_ms));
+                        return Some(slice_end(k, n, w).saturating_sub(now_ms));
                     }
                 }
-                Some(((cur + n) * w).saturating_sub(now_ms))
+                Some(slice_end(cur, n, w).saturating_sub(now_ms))
             }
             Fast::Bucket { period_ms } => {
                 let target_scaled = u128::from(target) * u128::from(period_ms);
@@ -473,9 +515,9 @@ impl State<'_> {
                 }
                 let cur = now_ms / w;
                 let sl = self.slices();
-                ((cur + 1).saturating_sub(n)..=cur)
+                (cur.saturating_add(1).saturating_sub(n)..=cur)
                     .find(|k| sl.get((k % n) as usize) > 0)
-                    .map(|k| (k + n) * w)
+                    .map(|k| slice_end(k, n, w))
             }
             Fast::Bucket { .. } => {
                 let d = deficit(self.words);
@@ -502,11 +544,11 @@ impl State<'_> {
                 }
                 let cur = now_ms / w;
                 let sl = self.slices();
-                let newest = ((cur + 1).saturating_sub(n)..=cur)
+                let newest = (cur.saturating_add(1).saturating_sub(n)..=cur)
                     .rev()
                     .find(|k| sl.get((k % n) as usize) > 0)
                     .unwrap_or(cur);
-                Some((newest + n) * w)
+                Some(slice_end(newest, n, w))
             }
             Fast::Bucket { .. } => Some(self.resets_at(now_ms).unwrap_or(now_ms)),
             Fast::Calendar => Some(if self.words[1] == 0 {

@@ -515,11 +515,11 @@ impl Model {
             if rec.res.status == Status::Held && rec.res.expires_at.as_millis() <= now {
                 rec.res.status = Status::Expired;
                 rec.res.ended_at = Some(rec.res.expires_at);
-                // The retention of the record runs from when the expiry is
-                // observed (every step observes, so at most one clock step
-                // late): remembering it longer than asked is harmless, and
-                // idempotency keys expire exactly (from `ended_at`).
-                rec.drop_at = now + Self::keep_ms(&rec.res);
+                // The retention of the record runs from the expiry itself,
+                // not from when it was observed: what is remembered is a
+                // function of time alone, so a ledger rebuilt from its log
+                // remembers exactly what the live one did.
+                rec.drop_at = rec.res.expires_at.as_millis() + Self::keep_ms(&rec.res);
                 self.expired += 1;
                 tally("observe: hold expired");
             }

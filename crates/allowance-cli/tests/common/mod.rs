@@ -64,10 +64,14 @@ impl Server {
         Self::with_config(&config_with_tokens())
     }
 
+    /// Every server gets its own data dir (the durable store is the
+    /// default): tests never share one, nor leave one in the source tree.
     fn spawn(extra: &[&str], dir: Option<tempfile::TempDir>) -> Server {
-        let mut args = vec!["--listen", "127.0.0.1:0"];
+        let dir = dir.unwrap_or_else(|| tempfile::tempdir().expect("temp dir"));
+        let data = dir.path().join("data").to_string_lossy().to_string();
+        let mut args = vec!["--listen", "127.0.0.1:0", "--data-dir", &data];
         args.extend_from_slice(extra);
-        Self::spawn_serve(&args, dir)
+        Self::spawn_serve(&args, Some(dir))
     }
 
     /// `allowance serve ARGS` exactly as given (no `--listen` added). The
@@ -288,4 +292,119 @@ pub fn config_file(toml: &str) -> (tempfile::TempDir, PathBuf) {
     let path = dir.path().join("allowance.toml");
     std::fs::write(&path, toml).expect("write");
     (dir, path)
+}
+
+impl Server {
+    /// `allowance serve` on 127.0.0.1:0 with a config file and a data
+    /// directory the caller owns: both outlive the process, so a server
+    /// started again on the same directory finds what this one left.
+    pub fn on_data_dir(config: &std::path::Path, data_dir: &std::path::Path) -> Server {
+        let config = config.to_string_lossy().to_string();
+        let data_dir = data_dir.to_string_lossy().to_string();
+        Self::serve_args(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--config",
+            &config,
+            "--data-dir",
+            &data_dir,
+        ])
+    }
+
+    /// `kill -9` (`Child::kill` is SIGKILL): no graceful shutdown, no
+    /// flush, no lock removed — what a crash or the OOM killer leaves.
+    /// Returns once the process is gone (bounded generously).
+    pub fn kill_9(mut self) -> ExitStatus {
+        let mut child = self.child.take().expect("running");
+        let _ = child.kill();
+        // Polled often: callers stop their clients once this returns.
+        for _ in 0..6000 {
+            if let Ok(Some(status)) = child.try_wait() {
+                return status;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        panic!("the server was still there 30 s after SIGKILL");
+    }
+}
+
+/// How a `serve` that is expected to refuse to start ended.
+#[derive(Debug)]
+pub enum Startup {
+    /// It exited by itself.
+    Exited { status: ExitStatus, stderr: String },
+    /// It logged the address it listens on, i.e. it started serving; it
+    /// was killed.
+    Listening { stderr: String },
+    /// Neither within the bound; it was killed.
+    Hung { stderr: String },
+}
+
+/// `allowance --log-format json serve ARGS`, watched for up to `bound`:
+/// did it exit on its own, or start listening? Never waits past `bound`,
+/// and never leaves the process running.
+pub fn serve_until_exit(serve_args: &[&str], bound: Duration) -> Startup {
+    let mut child = Command::new(bin())
+        .args(["--log-format", "json", "serve"])
+        .args(serve_args)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn allowance");
+    let stderr = child.stderr.take().expect("stderr");
+    let (tx, rx) = mpsc::channel::<String>();
+    // The channel closes when stderr does, i.e. when the process is gone.
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let deadline = std::time::Instant::now() + bound;
+    let mut lines = Vec::new();
+    let stop = |child: &mut Child| {
+        let _ = child.kill();
+        let _ = child.wait();
+    };
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) => {
+                let listening = serde_json::from_str::<Value>(&line)
+                    .is_ok_and(|v| v["fields"]["address"].is_string());
+                lines.push(line);
+                if listening {
+                    stop(&mut child);
+                    return Startup::Listening {
+                        stderr: lines.join("\n"),
+                    };
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                for _ in 0..600 {
+                    if let Ok(Some(status)) = child.try_wait() {
+                        return Startup::Exited {
+                            status,
+                            stderr: lines.join("\n"),
+                        };
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                stop(&mut child);
+                return Startup::Hung {
+                    stderr: lines.join("\n"),
+                };
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                stop(&mut child);
+                return Startup::Hung {
+                    stderr: lines.join("\n"),
+                };
+            }
+        }
+    }
 }

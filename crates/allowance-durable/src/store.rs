@@ -1,0 +1,738 @@
+//! [`DurableStore`]: the embedded ledger, logged before it answers.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use allowance_core::{
+    AdminError, Amounts, Catalog, CatalogChange, Clock, Committed, Dimension, ExtendError, Granted,
+    IdSource, Journal, RefundError, Reservation, ReservationId, ReserveError, ReserveRequest,
+    ScopeKey, ScopeStatus, SettleError, SharedLedger, Store, StoreError, StoreStats, Unavailable,
+    Usage,
+};
+use allowance_wal::{FileSystem, Lsn, ReplayProgress, TornTail, Wal, WalError, WalOptions};
+use async_trait::async_trait;
+use parking_lot::{Mutex, RwLock};
+
+use crate::record::{self, Record, RecordRef, SnapshotBody};
+
+/// How a [`DurableStore`] keeps its data.
+#[derive(Clone, Debug)]
+pub struct DurableOptions {
+    /// The write-ahead log: data dir, fsync policy, segment size.
+    pub wal: WalOptions,
+    /// Ledger shards (see [`SharedLedger::new`]).
+    pub shards: usize,
+    /// A snapshot is written (and the log before it deleted) once this many
+    /// records were appended since the last one: recovery replays at most
+    /// about this many records. At least 1.
+    pub snapshot_every_records: u64,
+}
+
+/// Snapshot after a million records: about a second of replay at the
+/// measured recovery speed, and a snapshot every few minutes under load.
+pub const DEFAULT_SNAPSHOT_EVERY_RECORDS: u64 = 1_000_000;
+
+impl DurableOptions {
+    /// The defaults in `dir`: `fsync = always`, 16 shards, a snapshot every
+    /// [`DEFAULT_SNAPSHOT_EVERY_RECORDS`] records.
+    pub fn new(dir: impl Into<std::path::PathBuf>) -> Self {
+        DurableOptions {
+            wal: WalOptions::new(dir),
+            shards: 16,
+            snapshot_every_records: DEFAULT_SNAPSHOT_EVERY_RECORDS,
+        }
+    }
+}
+
+/// Why a [`DurableStore`] could not open its data dir.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// The log could not be opened or read (locked, corrupt, I/O).
+    #[error(transparent)]
+    Wal(#[from] WalError),
+    /// The latest snapshot is unreadable.
+    #[error("snapshot at lsn {lsn} in {dir}: {message}")]
+    Snapshot {
+        /// The snapshot's log position.
+        lsn: Lsn,
+        /// The data dir.
+        dir: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// A record could not be written at start-up.
+    #[error("cannot write to the write-ahead log in {dir}: {message}")]
+    Write {
+        /// The data dir.
+        dir: String,
+        /// What failed.
+        message: String,
+    },
+}
+
+/// What opening the data dir found and did (for the start-up log).
+#[derive(Clone, Debug, Default)]
+pub struct OpenReport {
+    /// The snapshot recovery started from.
+    pub snapshot_lsn: Option<Lsn>,
+    /// Records replayed after it.
+    pub replayed: u64,
+    /// The log's last position after start-up.
+    pub last_lsn: Lsn,
+    /// The half-written end a crash left, cut off (never acknowledged).
+    pub torn_tail: Option<TornTail>,
+    /// The configuration file differs from the one the log last saw.
+    pub config_changed: bool,
+    /// The admin changes in force (plans, overrides, models, dimensions
+    /// set through the API), which win over the configuration file.
+    pub admin_changes: Vec<String>,
+    /// Admin changes that no longer apply to the new configuration file,
+    /// with the reason (they stay logged; they are skipped).
+    pub skipped_admin_changes: Vec<String>,
+    /// Logged operations that did not replay as they ran (should be none:
+    /// each is a bug report).
+    pub divergences: Vec<String>,
+    /// Reservations that expired while the store was down, observed at start.
+    pub expired_at_start: u64,
+    /// Time spent opening.
+    pub elapsed: Duration,
+}
+
+/// A store's open ledger and its log. Replaced as a whole when the log
+/// fails and the store rebuilds from disk.
+struct Live {
+    ledger: SharedLedger,
+    wal: Wal,
+    /// The configuration file's catalog the log last recorded.
+    base: Arc<Catalog>,
+    /// Admin changes in force, oldest first: what a new configuration file
+    /// is overlaid with. Changed under every shard lock (with the log append).
+    overlay: Mutex<Vec<CatalogChange>>,
+    since_snapshot: AtomicU64,
+    snapshotting: AtomicBool,
+}
+
+/// Appends each committed change to the log, under the ledger's locks.
+struct WalJournal<'a>(&'a Live);
+
+impl Journal for WalJournal<'_> {
+    type Ticket = Result<Lsn, String>;
+
+    fn commit(&self, change: &Committed<'_>) -> Self::Ticket {
+        if let Committed::Catalog(c) = change {
+            record::push_overlay(&mut self.0.overlay.lock(), c);
+        }
+        record::with_encoded(&RecordRef::from(change), |bytes| self.0.wal.append(bytes))
+            .map_err(|e| format!("cannot encode the record: {e}"))?
+            .map_err(|e| e.to_string())
+    }
+}
+
+struct Inner {
+    live: RwLock<Option<Arc<Live>>>,
+    config: Arc<Catalog>,
+    opts: DurableOptions,
+    fs: Arc<dyn FileSystem>,
+    clock: Arc<dyn Clock>,
+    ids: Arc<dyn IdSource>,
+    rebuilding: AtomicBool,
+}
+
+/// The durable embedded store: a [`SharedLedger`] whose every change is
+/// appended to a write-ahead log (under the ledger's locks, so the log's
+/// order is the ledger's) and made durable before the answer; recovery
+/// replays snapshot + log through the same engine with the logged instants.
+///
+/// If the log fails (a write or fsync error, disk full), the store *fences*:
+/// every operation answers [`Unavailable`] (the outcome is unknown) while a
+/// background task reopens the data dir and rebuilds the ledger from what
+/// is on disk — which holds everything ever acknowledged. It serves again
+/// as soon as the disk works, without a restart.
+#[derive(Clone)]
+pub struct DurableStore {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for DurableStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DurableStore")
+            .field("dir", &self.inner.opts.wal.dir)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DurableStore {
+    /// Opens (or creates) the data dir: recovers snapshot + log, cutting a
+    /// torn tail, refusing corruption with its file and offset, and
+    /// refusing a data dir another process has. `progress` hears about a
+    /// long replay. Must run inside a Tokio runtime.
+    pub async fn open(
+        config: Catalog,
+        opts: DurableOptions,
+        fs: Arc<dyn FileSystem>,
+        clock: Arc<dyn Clock>,
+        ids: Arc<dyn IdSource>,
+        progress: impl FnMut(ReplayProgress) + Send + 'static,
+    ) -> Result<(DurableStore, OpenReport), OpenError> {
+        let inner = Arc::new(Inner {
+            live: RwLock::new(None),
+            config: Arc::new(config),
+            opts,
+            fs,
+            clock,
+            ids,
+            rebuilding: AtomicBool::new(false),
+        });
+        let (live, report) = open_live(&inner, progress).await?;
+        *inner.live.write() = Some(live);
+        Ok((DurableStore { inner }, report))
+    }
+
+    /// Runs `f` on the ledger (for tests and tools); `None` while rebuilding.
+    pub fn with_ledger<R>(&self, f: impl FnOnce(&SharedLedger) -> R) -> Option<R> {
+        let live = self.inner.live.read().clone()?;
+        Some(f(&live.ledger))
+    }
+
+    /// Whether the store is fenced, rebuilding after a log failure.
+    pub fn is_rebuilding(&self) -> bool {
+        self.inner.live.read().is_none()
+    }
+
+    /// Writes a snapshot now (normally automatic, every
+    /// `snapshot_every_records`): returns its log position. Blocking: call
+    /// off the async runtime.
+    pub fn snapshot_now(&self) -> Result<Lsn, String> {
+        let live = self.inner.live().map_err(|e| e.0)?;
+        write_snapshot(&live)
+    }
+
+    /// Stops the log cleanly (everything appended written and synced).
+    pub async fn close(self) -> Result<(), WalError> {
+        let live = self.inner.live.write().take();
+        let Some(mut live) = live else { return Ok(()) };
+        // Requests still holding the ledger finish first; they are few
+        // and short (no request outlives its store timeout).
+        loop {
+            match Arc::try_unwrap(live) {
+                Ok(l) => {
+                    return tokio::task::spawn_blocking(move || l.wal.close())
+                        .await
+                        .unwrap_or(Ok(()));
+                }
+                Err(still_shared) => {
+                    live = still_shared;
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        }
+    }
+}
+
+impl Inner {
+    fn live(&self) -> Result<Arc<Live>, Unavailable> {
+        self.live.read().clone().ok_or_else(|| {
+            Unavailable(
+                "the write-ahead log failed; the store is rebuilding from its data dir".to_owned(),
+            )
+        })
+    }
+}
+
+/// Opens the data dir and rebuilds the ledger: snapshot, then log.
+async fn open_live(
+    inner: &Arc<Inner>,
+    progress: impl FnMut(ReplayProgress) + Send + 'static,
+) -> Result<(Arc<Live>, OpenReport), OpenError> {
+    let started = Instant::now();
+    let inner2 = inner.clone();
+    let (live, mut report, wait_for) =
+        tokio::task::spawn_blocking(move || recover(&inner2, progress))
+            .await
+            .map_err(|e| OpenError::Write {
+                dir: inner.opts.wal.dir.display().to_string(),
+                message: format!("recovery stopped: {e}"),
+            })??;
+    if let Some(lsn) = wait_for {
+        live.wal.durable(lsn).await.map_err(|e| OpenError::Write {
+            dir: inner.opts.wal.dir.display().to_string(),
+            message: e.to_string(),
+        })?;
+    }
+    report.expired_at_start = live.ledger.expire_due(inner.clock.now());
+    report.elapsed = started.elapsed();
+    Ok((Arc::new(live), report))
+}
+
+/// Applies `overlay` to `base`: the catalog in force. Changes that no longer
+/// apply (a plan naming a dimension the file dropped) are skipped and listed.
+fn compose(base: &Catalog, overlay: &[CatalogChange], skipped: &mut Vec<String>) -> Catalog {
+    let mut c = base.clone();
+    for change in overlay {
+        match change.apply(&mut c) {
+            Ok(()) => {}
+            // Clearing an override the file does not have: nothing to do.
+            Err(AdminError::NotFound(_)) if matches!(change, CatalogChange::ClearOverride(_)) => {}
+            Err(e) => skipped.push(format!("{}: {e}", describe(change))),
+        }
+    }
+    c
+}
+
+/// One line per admin change, for the start-up log.
+fn describe(change: &CatalogChange) -> String {
+    match change {
+        CatalogChange::SetPlan(p) => format!("plan {:?} set through the API", p.name()),
+        CatalogChange::SetOverride(s, _) => format!("override on {s}"),
+        CatalogChange::ClearOverride(s) => format!("override on {s} cleared"),
+        CatalogChange::SetModel(m, _) => format!("model {m:?} priced through the API"),
+        CatalogChange::AddDimension(d) => format!("dimension {d:?} added through the API"),
+    }
+}
+
+/// Replays records into a ledger, checking each replays as it ran.
+struct Replayer {
+    ledger: SharedLedger,
+    base: Option<Catalog>,
+    overlay: Vec<CatalogChange>,
+    skipped: Vec<String>,
+    divergences: Vec<String>,
+}
+
+/// Divergences kept for the report (the count is what matters past this).
+const MAX_REPORTED_DIVERGENCES: usize = 20;
+
+impl Replayer {
+    fn diverged(&mut self, lsn: Lsn, what: String) {
+        if self.divergences.len() < MAX_REPORTED_DIVERGENCES {
+            self.divergences.push(format!("lsn {lsn}: {what}"));
+        }
+    }
+
+    fn apply(&mut self, lsn: Lsn, bytes: &[u8]) -> Result<(), String> {
+        let rec = record::decode(bytes)?;
+        if self.base.is_none() && !matches!(rec, Record::Base(_)) {
+            return Err(
+                "the log does not start with its configuration (a Base record): \
+                        it was not written by this version of allowance"
+                    .to_owned(),
+            );
+        }
+        match rec {
+            Record::Base(c) => {
+                self.skipped.clear();
+                let next = compose(&c, &self.overlay, &mut self.skipped);
+                self.ledger.replace_catalog(next);
+                self.base = Some(*c);
+            }
+            Record::Reserve { now, id, req } => match self.ledger.reserve(now, id, &req) {
+                Ok(g) if !g.replayed && !g.dry_run => {}
+                Ok(_) => self.diverged(lsn, format!("reserve {id} answered a repeat")),
+                Err(e) => self.diverged(lsn, format!("reserve {id} refused: {e}")),
+            },
+            Record::Settle { now, id, usage } => {
+                if let Err(e) = self.ledger.settle_view(now, id, &usage) {
+                    self.diverged(lsn, format!("settle {id} refused: {e}"));
+                }
+            }
+            Record::Refund { now, id } => {
+                if let Err(e) = self.ledger.refund_view(now, id) {
+                    self.diverged(lsn, format!("refund {id} refused: {e}"));
+                }
+            }
+            Record::Extend {
+                now,
+                id,
+                amounts,
+                ttl_ms,
+            } => {
+                if let Err(e) = self.ledger.extend_view(now, id, amounts.as_ref(), ttl_ms) {
+                    self.diverged(lsn, format!("extend {id} refused: {e}"));
+                }
+            }
+            Record::Adjust {
+                now,
+                scope,
+                dimension,
+                credit,
+            } => {
+                if let Err(e) = self.ledger.adjust(now, &scope, dimension, credit) {
+                    self.diverged(lsn, format!("adjust {scope} refused: {e}"));
+                }
+            }
+            Record::Admin(change) => {
+                match self.ledger.update_catalog(|c| change.apply(c)) {
+                    Ok(()) => {}
+                    Err(e) => self.diverged(lsn, format!("{} refused: {e}", describe(&change))),
+                }
+                record::push_overlay(&mut self.overlay, &change);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The blocking part of opening: returns the live ledger, the report, and
+/// an lsn to wait for before serving (a Base record written at start).
+fn recover(
+    inner: &Inner,
+    progress: impl FnMut(ReplayProgress),
+) -> Result<(Live, OpenReport, Option<Lsn>), OpenError> {
+    let dir = inner.opts.wal.dir.display().to_string();
+    let (wal, recovered) = Wal::open(inner.opts.wal.clone(), inner.fs.clone())?;
+    let mut report = OpenReport {
+        torn_tail: recovered.torn_tail.clone(),
+        ..OpenReport::default()
+    };
+    let snapshot = wal.latest_snapshot()?;
+    let (mut replayer, after) = match snapshot {
+        Some((lsn, bytes)) => {
+            let bad = |message: String| OpenError::Snapshot {
+                lsn,
+                dir: dir.clone(),
+                message,
+            };
+            let body = record::decode_snapshot(&bytes).map_err(bad)?;
+            let ledger = SharedLedger::from_snapshot(body.ledger, inner.opts.shards)
+                .map_err(|e| bad(e.to_string()))?;
+            report.snapshot_lsn = Some(lsn);
+            (
+                Replayer {
+                    ledger,
+                    base: Some(body.base),
+                    overlay: body.overlay,
+                    skipped: Vec::new(),
+                    divergences: Vec::new(),
+                },
+                lsn,
+            )
+        }
+        None => (
+            Replayer {
+                ledger: SharedLedger::new((*inner.config).clone(), inner.opts.shards),
+                base: None,
+                overlay: Vec::new(),
+                skipped: Vec::new(),
+                divergences: Vec::new(),
+            },
+            0,
+        ),
+    };
+    report.replayed = wal.replay_with_progress(after, |lsn, b| replayer.apply(lsn, b), progress)?;
+    let Replayer {
+        ledger,
+        base,
+        overlay,
+        skipped,
+        divergences,
+    } = replayer;
+    report.divergences = divergences;
+    report.skipped_admin_changes = skipped;
+    report.admin_changes = overlay.iter().map(describe).collect();
+    // The configuration file wins over what the log last saw, except where
+    // an admin change (kept in `overlay`) says otherwise.
+    let same = base
+        .as_ref()
+        .is_some_and(|b| same_catalog(b, &inner.config));
+    let mut wait_for = None;
+    if !same {
+        report.config_changed = base.is_some();
+        let lsn = record::with_encoded(&RecordRef::Base(&inner.config), |b| wal.append(b))
+            .map_err(|e| OpenError::Write {
+                dir: dir.clone(),
+                message: format!("cannot encode the configuration: {e}"),
+            })?
+            .map_err(|e| OpenError::Write {
+                dir: dir.clone(),
+                message: e.to_string(),
+            })?;
+        let mut skipped = Vec::new();
+        ledger.replace_catalog(compose(&inner.config, &overlay, &mut skipped));
+        report.skipped_admin_changes = skipped;
+        wait_for = Some(lsn);
+    }
+    report.last_lsn = wal.last_lsn();
+    let live = Live {
+        ledger,
+        wal,
+        base: inner.config.clone(),
+        overlay: Mutex::new(overlay),
+        since_snapshot: AtomicU64::new(report.replayed),
+        snapshotting: AtomicBool::new(false),
+    };
+    Ok((live, report, wait_for))
+}
+
+/// Two catalogs are the same configuration when they encode the same.
+fn same_catalog(a: &Catalog, b: &Catalog) -> bool {
+    match (postcard::to_stdvec(a), postcard::to_stdvec(b)) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    }
+}
+
+/// Writes a snapshot of `live` and deletes the log it covers.
+fn write_snapshot(live: &Live) -> Result<Lsn, String> {
+    let ((lsn, overlay), ledger) = live
+        .ledger
+        .snapshot_with(|| (live.wal.last_lsn(), live.overlay.lock().clone()));
+    let body = SnapshotBody {
+        base: (*live.base).clone(),
+        overlay,
+        ledger,
+    };
+    let bytes = record::encode_snapshot(&body).map_err(|e| format!("encode snapshot: {e}"))?;
+    live.wal
+        .write_snapshot(lsn, &bytes)
+        .map_err(|e| e.to_string())?;
+    Ok(lsn)
+}
+
+impl DurableStore {
+    /// Waits until the ticket's record is durable; fences the store if the
+    /// log failed.
+    async fn durable(
+        &self,
+        live: &Arc<Live>,
+        ticket: Result<Lsn, String>,
+    ) -> Result<(), Unavailable> {
+        let lsn = match ticket {
+            Ok(lsn) => lsn,
+            Err(cause) => return Err(self.fence(live, &cause)),
+        };
+        if let Err(e) = live.wal.durable(lsn).await {
+            return Err(self.fence(live, &e.to_string()));
+        }
+        self.maybe_snapshot(live);
+        Ok(())
+    }
+
+    /// Waits until everything appended so far is durable: an answer that
+    /// repeats an earlier change (an idempotent reserve) must not be given
+    /// before that change is on disk.
+    async fn settled_so_far(&self, live: &Arc<Live>) -> Result<(), Unavailable> {
+        let lsn = live.wal.last_lsn();
+        live.wal
+            .durable(lsn)
+            .await
+            .map_err(|e| self.fence(live, &e.to_string()))
+    }
+
+    fn maybe_snapshot(&self, live: &Arc<Live>) {
+        let every = self.inner.opts.snapshot_every_records.max(1);
+        if live.since_snapshot.fetch_add(1, Ordering::Relaxed) + 1 < every
+            || live.snapshotting.swap(true, Ordering::AcqRel)
+        {
+            return;
+        }
+        let live = live.clone();
+        tokio::task::spawn_blocking(move || {
+            let started = Instant::now();
+            match write_snapshot(&live) {
+                Ok(lsn) => {
+                    live.since_snapshot.store(0, Ordering::Relaxed);
+                    tracing::info!(
+                        lsn,
+                        elapsed_ms = started.elapsed().as_millis() as u64,
+                        "snapshot written"
+                    );
+                }
+                // A failed snapshot loses nothing: the log still holds it all.
+                Err(e) => tracing::warn!(error = %e, "snapshot failed; the log is kept"),
+            }
+            live.snapshotting.store(false, Ordering::Release);
+        });
+    }
+
+    /// The log failed: stop serving from this ledger (memory may hold a
+    /// change the disk does not) and rebuild from disk in the background.
+    fn fence(&self, live: &Arc<Live>, cause: &str) -> Unavailable {
+        {
+            let mut current = self.inner.live.write();
+            if current.as_ref().is_some_and(|c| Arc::ptr_eq(c, live)) {
+                *current = None;
+            }
+        }
+        if !self.inner.rebuilding.swap(true, Ordering::AcqRel) {
+            tracing::error!(
+                error = %cause,
+                dir = %self.inner.opts.wal.dir.display(),
+                "the write-ahead log failed: answering store_unavailable and rebuilding from disk"
+            );
+            tokio::spawn(rebuild(self.inner.clone(), live.clone()));
+        }
+        Unavailable(format!(
+            "the write-ahead log failed ({cause}); the store is rebuilding from its data dir"
+        ))
+    }
+}
+
+/// Drops the failed ledger and log (releasing the dir), then reopens the
+/// data dir until it works.
+async fn rebuild(inner: Arc<Inner>, failed: Arc<Live>) {
+    // Requests still holding the failed ledger see the failed log and let go
+    // quickly; the dir's lock is released when the last one does. This is
+    // a recovery path, not a hot one: a short poll is the simple way.
+    let mut failed = failed;
+    loop {
+        match Arc::try_unwrap(failed) {
+            Ok(live) => {
+                let _ = tokio::task::spawn_blocking(move || drop(live)).await;
+                break;
+            }
+            Err(still_shared) => {
+                failed = still_shared;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+    let mut delay = Duration::from_millis(50);
+    loop {
+        match open_live(&inner, |_| {}).await {
+            Ok((live, report)) => {
+                *inner.live.write() = Some(live);
+                inner.rebuilding.store(false, Ordering::Release);
+                tracing::info!(
+                    replayed = report.replayed,
+                    last_lsn = report.last_lsn,
+                    "the store rebuilt from its data dir and serves again"
+                );
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "the data dir still fails");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Store for DurableStore {
+    async fn reserve(&self, req: &ReserveRequest) -> Result<Granted, StoreError<ReserveError>> {
+        let live = self.inner.live()?;
+        let id = ReservationId::mint(self.inner.ids.next_random(), req.scopes.tenant_name());
+        let (r, ticket) =
+            live.ledger
+                .reserve_journaled(self.inner.clock.now(), id, req, &WalJournal(&live));
+        match (r, ticket) {
+            (Ok(g), Some(t)) => {
+                self.durable(&live, t).await?;
+                Ok(g)
+            }
+            (Ok(g), None) => {
+                if g.replayed {
+                    self.settled_so_far(&live).await?;
+                }
+                Ok(g)
+            }
+            (Err(e), _) => Err(StoreError::Rejected(e)),
+        }
+    }
+
+    async fn settle(
+        &self,
+        id: ReservationId,
+        usage: &Usage,
+    ) -> Result<Reservation, StoreError<SettleError>> {
+        let live = self.inner.live()?;
+        let (r, t) = live
+            .ledger
+            .settle_journaled(self.inner.clock.now(), id, usage, &WalJournal(&live))
+            .map_err(StoreError::Rejected)?;
+        self.durable(&live, t).await?;
+        Ok(r)
+    }
+
+    async fn refund(&self, id: ReservationId) -> Result<Reservation, StoreError<RefundError>> {
+        let live = self.inner.live()?;
+        let (r, t) = live
+            .ledger
+            .refund_journaled(self.inner.clock.now(), id, &WalJournal(&live))
+            .map_err(StoreError::Rejected)?;
+        self.durable(&live, t).await?;
+        Ok(r)
+    }
+
+    async fn extend(
+        &self,
+        id: ReservationId,
+        amounts: Option<&Amounts>,
+        ttl_ms: Option<u64>,
+    ) -> Result<Reservation, StoreError<ExtendError>> {
+        let live = self.inner.live()?;
+        let (r, t) = live
+            .ledger
+            .extend_journaled(
+                self.inner.clock.now(),
+                id,
+                amounts,
+                ttl_ms,
+                &WalJournal(&live),
+            )
+            .map_err(StoreError::Rejected)?;
+        self.durable(&live, t).await?;
+        Ok(r)
+    }
+
+    async fn get(&self, id: ReservationId) -> Result<Option<Reservation>, Unavailable> {
+        let live = self.inner.live()?;
+        Ok(live.ledger.get(self.inner.clock.now(), id))
+    }
+
+    async fn status(&self, scope: &ScopeKey) -> Result<ScopeStatus, Unavailable> {
+        let live = self.inner.live()?;
+        Ok(live.ledger.status(self.inner.clock.now(), scope))
+    }
+
+    async fn adjust(
+        &self,
+        scope: &ScopeKey,
+        dimension: Dimension,
+        credit: i64,
+    ) -> Result<ScopeStatus, StoreError<AdminError>> {
+        let live = self.inner.live()?;
+        let (s, t) = live
+            .ledger
+            .adjust_journaled(
+                self.inner.clock.now(),
+                scope,
+                dimension,
+                credit,
+                &WalJournal(&live),
+            )
+            .map_err(StoreError::Rejected)?;
+        self.durable(&live, t).await?;
+        Ok(s)
+    }
+
+    async fn catalog(&self) -> Result<Arc<Catalog>, Unavailable> {
+        Ok(self.inner.live()?.ledger.catalog())
+    }
+
+    async fn change_catalog(&self, change: &CatalogChange) -> Result<(), StoreError<AdminError>> {
+        let live = self.inner.live()?;
+        let t = live
+            .ledger
+            .change_catalog_journaled(change, &WalJournal(&live))
+            .map_err(StoreError::Rejected)?;
+        self.durable(&live, t).await?;
+        Ok(())
+    }
+
+    async fn expire_due(&self) -> Result<u64, Unavailable> {
+        let live = self.inner.live()?;
+        Ok(live.ledger.expire_due(self.inner.clock.now()))
+    }
+
+    async fn stats(&self) -> Result<StoreStats, Unavailable> {
+        let live = self.inner.live()?;
+        let expired_total = live.ledger.expire_due(self.inner.clock.now());
+        Ok(StoreStats {
+            held_reservations: live.ledger.held_reservations() as u64,
+            expired_total,
+        })
+    }
+}

@@ -1,0 +1,591 @@
+//! Recovery: the state rebuilt from snapshot + log equals the live state
+//! (a property test over random histories), faults below the log lose
+//! nothing acknowledged, and damaged or shared data dirs are refused with
+//! exact messages.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use allowance_conformance::catalogs::{self, MINUTE_MS, START_MS};
+use allowance_core::{
+    Amounts, Catalog, CatalogChange, Clock, Dimension, ManualClock, Override, Reservation,
+    ReservationId, ReserveRequest, ScopeKey, ScopeStatus, SeededIds, Status, Store, StoreError,
+    Timestamp, Usage,
+};
+use allowance_durable::{DurableOptions, DurableStore, OpenError, OpenReport};
+use allowance_wal::{FaultyFs, FileSystem, Fsync, RealFs, WalError};
+use proptest::prelude::*;
+
+/// Proptest cases: modest by default (CI), more with the variable set.
+fn cases() -> u32 {
+    std::env::var("ALLOWANCE_PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(24)
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Reserve {
+        tenant: usize,
+        user: Option<usize>,
+        tool: bool,
+        tokens: u64,
+        key: Option<u8>,
+        ttl_ms: Option<u64>,
+        model: bool,
+    },
+    Settle {
+        pick: usize,
+        tokens: u64,
+        search_calls: u64,
+    },
+    Refund {
+        pick: usize,
+    },
+    Extend {
+        pick: usize,
+        tokens: Option<u64>,
+        ttl_ms: Option<u64>,
+    },
+    Adjust {
+        tenant: usize,
+        credit: i64,
+    },
+    Plan {
+        tenant: usize,
+        plus: Option<bool>,
+    },
+    Advance {
+        ms: u64,
+    },
+    Reopen,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0..3usize, proptest::option::of(0..3usize), any::<bool>(), 0..9_000u64,
+              proptest::option::of(0..4u8), proptest::option::of(1_000..600_000u64), any::<bool>())
+            .prop_map(|(tenant, user, tool, tokens, key, ttl_ms, model)| Op::Reserve {
+                tenant, user, tool, tokens, key, ttl_ms, model
+            }),
+        3 => (any::<usize>(), 0..12_000u64, 0..3u64)
+            .prop_map(|(pick, tokens, search_calls)| Op::Settle { pick, tokens, search_calls }),
+        1 => any::<usize>().prop_map(|pick| Op::Refund { pick }),
+        1 => (any::<usize>(), proptest::option::of(0..9_000u64), proptest::option::of(1_000..900_000u64))
+            .prop_map(|(pick, tokens, ttl_ms)| Op::Extend { pick, tokens, ttl_ms }),
+        1 => (0..3usize, -3_000_000..3_000_000i64).prop_map(|(tenant, credit)| Op::Adjust { tenant, credit }),
+        1 => (0..3usize, proptest::option::of(any::<bool>())).prop_map(|(tenant, plus)| Op::Plan { tenant, plus }),
+        2 => prop_oneof![0..2_000u64, 0..10 * MINUTE_MS, 0..2 * 24 * 60 * MINUTE_MS]
+            .prop_map(|ms| Op::Advance { ms }),
+        1 => Just(Op::Reopen),
+    ]
+}
+
+const TENANTS: [&str; 3] = ["acme", "beta", "gamma"];
+
+fn reserve_request(catalog: &Catalog, op: &Op) -> ReserveRequest {
+    let Op::Reserve {
+        tenant,
+        user,
+        tool,
+        tokens,
+        key,
+        ttl_ms,
+        model,
+    } = op
+    else {
+        unreachable!("only reserves")
+    };
+    let mut scopes = Vec::new();
+    let user_name = user.map(|u| format!("u{u}"));
+    if let Some(u) = &user_name {
+        scopes.push(("user", u.as_str()));
+    }
+    if *tool {
+        scopes.push(("tool", "search"));
+    }
+    let scopes = catalog
+        .scope_set(TENANTS[*tenant], &scopes)
+        .expect("valid scopes");
+    let mut req = ReserveRequest::new(scopes, Amounts::new().with(Dimension::TOKENS, *tokens));
+    if *model {
+        req.model = Some("gpt-4o".into());
+        req.amounts = Amounts::new()
+            .with(Dimension::INPUT_TOKENS, tokens / 2)
+            .with(Dimension::OUTPUT_TOKENS, tokens / 2);
+    }
+    req.ttl_ms = *ttl_ms;
+    req.idempotency_key = key.map(|k| format!("key-{k}").into());
+    req
+}
+
+/// A store of the test's shape on `dir` through `fs`.
+async fn open_store(
+    dir: &Path,
+    fs: Arc<dyn FileSystem>,
+    shards: usize,
+    snapshot_every: u64,
+    clock: &Arc<ManualClock>,
+    ids: &Arc<SeededIds>,
+) -> Result<(DurableStore, OpenReport), OpenError> {
+    let mut opts = DurableOptions::new(dir);
+    opts.shards = shards;
+    opts.snapshot_every_records = snapshot_every;
+    opts.wal.fsync = Fsync::Always;
+    DurableStore::open(
+        catalogs::standard(),
+        opts,
+        fs,
+        clock.clone(),
+        ids.clone(),
+        |_| {},
+    )
+    .await
+}
+
+/// Everything observable: every scope's limits and every reservation.
+async fn observe(
+    store: &DurableStore,
+    scopes: &[ScopeKey],
+    ids: &[ReservationId],
+) -> (Vec<ScopeStatus>, Vec<Option<Reservation>>) {
+    let mut statuses = Vec::new();
+    for s in scopes {
+        statuses.push(store.status(s).await.expect("status"));
+    }
+    let mut reservations = Vec::new();
+    for id in ids {
+        reservations.push(store.get(*id).await.expect("get"));
+    }
+    (statuses, reservations)
+}
+
+/// Runs `ops` on the store; returns the ids it was granted.
+async fn run(
+    store: &mut DurableStore,
+    ops: &[Op],
+    reopen: &mut impl AsyncFnMut() -> DurableStore,
+    clock: &ManualClock,
+) -> Vec<ReservationId> {
+    let catalog = catalogs::standard();
+    let mut granted: Vec<ReservationId> = Vec::new();
+    let pick = |granted: &[ReservationId], i: usize| granted.get(i % granted.len().max(1)).copied();
+    for op in ops {
+        match op {
+            Op::Reserve { .. } => {
+                if let Ok(g) = store.reserve(&reserve_request(&catalog, op)).await {
+                    granted.push(g.id);
+                }
+            }
+            Op::Settle {
+                pick: i,
+                tokens,
+                search_calls,
+            } => {
+                if let Some(id) = pick(&granted, *i) {
+                    let search = catalog.dimension("search_calls").expect("custom dimension");
+                    let usage = Usage {
+                        amounts: Amounts::new()
+                            .with(Dimension::TOKENS, *tokens)
+                            .with(search, *search_calls),
+                        ..Usage::default()
+                    };
+                    let _ = store.settle(id, &usage).await;
+                }
+            }
+            Op::Refund { pick: i } => {
+                if let Some(id) = pick(&granted, *i) {
+                    let _ = store.refund(id).await;
+                }
+            }
+            Op::Extend {
+                pick: i,
+                tokens,
+                ttl_ms,
+            } => {
+                if let Some(id) = pick(&granted, *i) {
+                    let amounts = tokens.map(|t| Amounts::new().with(Dimension::TOKENS, t));
+                    let _ = store.extend(id, amounts.as_ref(), *ttl_ms).await;
+                }
+            }
+            Op::Adjust { tenant, credit } => {
+                let scope = ScopeKey::tenant(TENANTS[*tenant]).expect("valid");
+                let _ = store.adjust(&scope, Dimension::COST_MICROS, *credit).await;
+            }
+            Op::Plan { tenant, plus } => {
+                let scope = ScopeKey::tenant(TENANTS[*tenant]).expect("valid");
+                let change = match plus {
+                    Some(true) => CatalogChange::SetOverride(scope, Override::Plan("plus".into())),
+                    Some(false) => {
+                        CatalogChange::SetOverride(scope, Override::Plan("tenant-capped".into()))
+                    }
+                    None => CatalogChange::ClearOverride(scope),
+                };
+                let _ = store.change_catalog(&change).await;
+            }
+            Op::Advance { ms } => clock.advance_ms(*ms),
+            Op::Reopen => {
+                // One store per data dir: the old one lets go first.
+                store.clone().close().await.expect("close");
+                *store = reopen().await;
+            }
+        }
+    }
+    granted
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
+
+    /// For random histories (reopened now and then, snapshots every few
+    /// records), the ledger rebuilt from snapshot + log answers exactly as
+    /// the live one did: every scope's limits, every reservation.
+    #[test]
+    fn rebuilt_equals_live(
+        ops in proptest::collection::vec(op(), 1..60),
+        shards in prop_oneof![Just(1usize), Just(4), Just(16)],
+        snapshot_every in 1u64..30,
+    ) {
+        let rt = runtime();
+        rt.block_on(async {
+            let dir = tempfile::tempdir().expect("temp dir");
+            let clock = Arc::new(ManualClock::new(Timestamp::from_millis(START_MS)));
+            let ids = Arc::new(SeededIds::new(42));
+            let fs: Arc<dyn FileSystem> = Arc::new(RealFs);
+            let (mut store, _) = open_store(dir.path(), fs.clone(), shards, snapshot_every, &clock, &ids)
+                .await
+                .expect("open");
+            // A reopen mid-history: `run` closes the old store first (one
+            // process per data dir).
+            let mut reopen = async || {
+                loop {
+                    match open_store(dir.path(), fs.clone(), shards, snapshot_every, &clock, &ids).await {
+                        Ok((s, report)) => {
+                            assert!(report.divergences.is_empty(), "{:?}", report.divergences);
+                            return s;
+                        }
+                        // The store being replaced still holds the dir.
+                        Err(OpenError::Wal(WalError::Locked { .. })) => {
+                            tokio::time::sleep(Duration::from_millis(5)).await
+                        }
+                        Err(e) => panic!("reopen: {e}"),
+                    }
+                }
+            };
+            let granted = run(&mut store, &ops, &mut reopen, &clock).await;
+            let scopes = store.with_ledger(|l| l.known_scopes()).expect("serving");
+            let live = observe(&store, &scopes, &granted).await;
+            store.with_ledger(|l| l.check_invariants(clock.now())).expect("serving").expect("invariants");
+            // As after kill -9: the store is dropped without a clean close
+            // (a snapshot still being written holds the dir a moment longer).
+            drop(store);
+            let rebuilt = reopen().await;
+            let again = observe(&rebuilt, &scopes, &granted).await;
+            prop_assert_eq!(&live.0, &again.0);
+            prop_assert_eq!(&live.1, &again.1);
+            rebuilt.with_ledger(|l| l.check_invariants(clock.now())).expect("serving").expect("invariants");
+            Ok(())
+        })?;
+    }
+}
+
+/// What a test knows was acknowledged.
+#[derive(Default)]
+struct Acked {
+    reserved: Vec<ReservationId>,
+    settled: Vec<(ReservationId, Reservation)>,
+    refunded: Vec<ReservationId>,
+}
+
+/// Faults below the log (failed writes, failed fsyncs, short writes, a full
+/// disk), then a power loss: nothing acknowledged is lost, the store answers
+/// `store_unavailable` while the disk fails and serves again when it works.
+#[test]
+fn faults_below_the_log_lose_nothing_acknowledged() {
+    let rt = runtime();
+    rt.block_on(async {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let clock = Arc::new(ManualClock::new(Timestamp::from_millis(START_MS)));
+        let ids = Arc::new(SeededIds::new(7));
+        let faulty = FaultyFs::new();
+        let fs: Arc<dyn FileSystem> = Arc::new(faulty.clone());
+        let (store, _) = open_store(dir.path(), fs.clone(), 4, 25, &clock, &ids)
+            .await
+            .expect("open");
+        let catalog = catalogs::standard();
+        let mut acked = Acked::default();
+        let mut unavailable = 0;
+        for round in 0..40u64 {
+            // A fault every few rounds, of each kind in turn.
+            match round % 8 {
+                1 => faulty.fail_write(1 + round % 3),
+                3 => faulty.fail_sync(1 + round % 2),
+                5 => faulty.short_write(1),
+                7 => faulty.fill_disk(200),
+                _ => {}
+            }
+            let req = reserve_request(
+                &catalog,
+                &Op::Reserve {
+                    tenant: (round % 3) as usize,
+                    user: Some((round % 2) as usize),
+                    tool: round % 4 == 0,
+                    tokens: 100 + round,
+                    key: None,
+                    ttl_ms: Some(3_600_000),
+                    model: false,
+                },
+            );
+            let id = match store.reserve(&req).await {
+                Ok(g) => {
+                    acked.reserved.push(g.id);
+                    Some(g.id)
+                }
+                Err(StoreError::Unavailable(_)) => {
+                    unavailable += 1;
+                    None
+                }
+                Err(e) => panic!("round {round}: unexpected refusal {e}"),
+            };
+            if let Some(id) = id {
+                let usage = Usage {
+                    amounts: Amounts::new().with(Dimension::TOKENS, 50 + round),
+                    ..Usage::default()
+                };
+                if round % 5 == 0 {
+                    match store.refund(id).await {
+                        Ok(_) => acked.refunded.push(id),
+                        Err(StoreError::Unavailable(_)) => unavailable += 1,
+                        Err(e) => panic!("round {round}: refund refused {e}"),
+                    }
+                } else if round % 5 != 1 {
+                    match store.settle(id, &usage).await {
+                        Ok(r) => acked.settled.push((id, r)),
+                        Err(StoreError::Unavailable(_)) => unavailable += 1,
+                        Err(e) => panic!("round {round}: settle refused {e}"),
+                    }
+                }
+            }
+            // The disk works again: the store must serve again, no restart.
+            faulty.recover();
+            let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            while store.is_rebuilding() {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the store did not rebuild within 20 s"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        assert!(
+            unavailable > 0,
+            "the faults were never felt: the test proves nothing"
+        );
+        // Power loss: whatever was not fsynced is gone (a few torn bytes kept).
+        faulty.crash(13).expect("crash");
+        drop(store);
+        faulty.recover();
+        let (store, report) = open_store(dir.path(), fs.clone(), 4, 25, &clock, &ids)
+            .await
+            .expect("reopen after the power loss");
+        assert!(report.divergences.is_empty(), "{:?}", report.divergences);
+        for (id, answer) in &acked.settled {
+            let now = store
+                .get(*id)
+                .await
+                .expect("get")
+                .expect("an acknowledged settle is kept");
+            assert_eq!(now.status, Status::Settled, "{id}");
+            assert_eq!(now.charged, answer.charged, "{id}");
+        }
+        for id in &acked.refunded {
+            let now = store
+                .get(*id)
+                .await
+                .expect("get")
+                .expect("an acknowledged refund is kept");
+            assert_eq!(now.status, Status::Refunded, "{id}");
+        }
+        for id in &acked.reserved {
+            assert!(
+                store.get(*id).await.expect("get").is_some(),
+                "acknowledged reserve {id} lost"
+            );
+        }
+        store
+            .with_ledger(|l| l.check_invariants(clock.now()))
+            .expect("serving")
+            .expect("invariants");
+    });
+}
+
+/// A torn tail is cut and reported; damage in the middle stops start-up with
+/// the file and offset; a second store on the same dir is refused.
+#[test]
+fn torn_tail_corruption_and_a_second_process() {
+    let rt = runtime();
+    rt.block_on(async {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let clock = Arc::new(ManualClock::new(Timestamp::from_millis(START_MS)));
+        let ids = Arc::new(SeededIds::new(9));
+        let fs: Arc<dyn FileSystem> = Arc::new(RealFs);
+        let catalog = catalogs::standard();
+        let (store, _) = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
+            .await
+            .expect("open");
+        // A second store on the same data dir is refused, naming it.
+        let err = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
+            .await
+            .expect_err("the dir is taken");
+        let message = err.to_string();
+        assert!(message.contains("in use"), "{message}");
+        assert!(
+            message.contains(&dir.path().display().to_string()),
+            "{message}"
+        );
+        let mut ids_granted = Vec::new();
+        for i in 0..20u64 {
+            let req = reserve_request(
+                &catalog,
+                &Op::Reserve {
+                    tenant: (i % 3) as usize,
+                    user: None,
+                    tool: false,
+                    tokens: 10 + i,
+                    key: None,
+                    ttl_ms: Some(3_600_000),
+                    model: false,
+                },
+            );
+            ids_granted.push(store.reserve(&req).await.expect("reserve").id);
+        }
+        store.close().await.expect("close");
+
+        let segment = std::fs::read_dir(dir.path())
+            .expect("read dir")
+            .map(|e| e.expect("entry").path())
+            .find(|p| p.extension().is_some_and(|e| e == "wal"))
+            .expect("a segment file");
+        // A torn tail: half a record at the end.
+        let full = std::fs::read(&segment).expect("read");
+        std::fs::write(&segment, &full[..full.len() - 7]).expect("tear");
+        let (store, report) = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
+            .await
+            .expect("a torn tail is not an error");
+        let torn = report.torn_tail.clone().expect("reported");
+        assert_eq!(torn.file, segment);
+        // The torn record was the last reserve: everything before it is kept.
+        for id in &ids_granted[..19] {
+            assert!(store.get(*id).await.expect("get").is_some());
+        }
+        assert!(store.get(ids_granted[19]).await.expect("get").is_none());
+        store.close().await.expect("close");
+
+        // Damage in the middle: a flipped byte inside an early record.
+        let mut bytes = std::fs::read(&segment).expect("read");
+        let at = bytes.len() / 2;
+        bytes[at] ^= 0x40;
+        std::fs::write(&segment, &bytes).expect("damage");
+        let err = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
+            .await
+            .expect_err("corruption stops start-up");
+        let message = err.to_string();
+        assert!(
+            message.contains(&segment.display().to_string()) && message.contains("byte "),
+            "the message names the file and offset: {message}"
+        );
+    });
+}
+
+/// Admin changes survive restarts and win over the configuration file; the
+/// rest of an edited file takes effect.
+#[test]
+fn admin_changes_survive_and_win_over_the_file() {
+    let rt = runtime();
+    rt.block_on(async {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let clock = Arc::new(ManualClock::new(Timestamp::from_millis(START_MS)));
+        let ids = Arc::new(SeededIds::new(11));
+        let fs: Arc<dyn FileSystem> = Arc::new(RealFs);
+        let (store, _) = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
+            .await
+            .expect("open");
+        let acme = ScopeKey::tenant("acme").expect("valid");
+        store
+            .change_catalog(&CatalogChange::SetOverride(
+                acme.clone(),
+                Override::Plan("plus".into()),
+            ))
+            .await
+            .expect("override");
+        store.close().await.expect("close");
+
+        // Same file: the override is back.
+        let (store, report) = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
+            .await
+            .expect("reopen");
+        assert!(!report.config_changed);
+        assert_eq!(report.admin_changes, vec![format!("override on {acme}")]);
+        let status = store.status(&acme).await.expect("status");
+        assert_eq!(status.plan, "plus");
+        store.close().await.expect("close");
+
+        // An edited file (the tenant plan's tokens raised): it applies to
+        // everybody, and the override still wins for acme.
+        let mut edited = catalogs::standard();
+        let mut opts = DurableOptions::new(dir.path());
+        opts.shards = 4;
+        edited.set_plan(
+            allowance_core::Plan::new(
+                "tenant",
+                vec![
+                    allowance_core::Limit::new(
+                        Dimension::TOKENS,
+                        123,
+                        allowance_core::Window::Total,
+                    )
+                    .expect("valid"),
+                ],
+                allowance_core::OverrunPolicy::ChargeActual,
+            )
+            .expect("valid"),
+        );
+        let (store, report) = DurableStore::open(
+            edited.clone(),
+            opts.clone(),
+            fs.clone(),
+            clock.clone(),
+            ids.clone(),
+            |_| {},
+        )
+        .await
+        .expect("open with the edited file");
+        assert!(report.config_changed);
+        assert_eq!(store.status(&acme).await.expect("status").plan, "plus");
+        let beta = ScopeKey::tenant("beta").expect("valid");
+        let beta_status = store.status(&beta).await.expect("status");
+        assert_eq!(beta_status.limits[0].capacity, 123);
+        store.close().await.expect("close");
+        // And it stays so after another restart with the edited file.
+        let (store, report) =
+            DurableStore::open(edited, opts, fs, clock.clone(), ids.clone(), |_| {})
+                .await
+                .expect("reopen");
+        assert!(!report.config_changed);
+        assert_eq!(
+            store.status(&beta).await.expect("status").limits[0].capacity,
+            123
+        );
+        assert_eq!(store.status(&acme).await.expect("status").plan, "plus");
+    });
+}
