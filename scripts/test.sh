@@ -4,7 +4,9 @@
 # Budgets (2 cores): the Rust suites take a few minutes; the locking model
 # check runs a reduced number of schedules in CI. Raise the counts locally:
 #   ALLOWANCE_PROPTEST_CASES=5000 ALLOWANCE_STRESS_ROUNDS=2000 \
-#   ALLOWANCE_SHUTTLE_ITERS=100000 scripts/test.sh
+#   ALLOWANCE_SHUTTLE_ITERS=100000 ALLOWANCE_CRASH_ROUNDS=50 scripts/test.sh
+# (ALLOWANCE_CRASH_ROUNDS: kill -9 rounds of the durable store's crash test,
+# 5 by default; ALLOWANCE_CRASH_SEED replays one.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
