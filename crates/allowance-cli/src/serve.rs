@@ -7,12 +7,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use allowance_config::{Config, Role, StoreKind};
-use clap::builder::TypedValueParser;
 use allowance_core::{EmbeddedStore, Store};
 use allowance_durable::{DurableOptions, DurableStore};
 use allowance_server::{AppState, Credential, Credentials, Options, RandomIds, SystemClock};
 use allowance_wal::Fsync as WalFsync;
 use anyhow::Context;
+use clap::builder::TypedValueParser;
 
 /// Shards of the embedded ledger: tenants spread over them, each with its
 /// own lock, so more shards than cores keeps contention low.

@@ -72,6 +72,7 @@ mod lifecycle;
 mod race;
 mod scopes;
 mod support;
+mod usage;
 
 pub use catalogs::START_MS;
 
@@ -159,6 +160,7 @@ pub fn cases() -> Vec<Case> {
         case!(lifecycle::extend_not_held, standard),
         case!(lifecycle::expiry_observed_by_reads, standard),
         case!(lifecycle::stats_count_held_and_expired, standard),
+        case!(usage::usage_log_records_every_end, standard),
         case!(idempotency::idempotency_key_replays, standard),
         case!(idempotency::idempotency_key_conflicts, standard),
         case!(idempotency::denied_attempt_binds_no_key, standard),

@@ -10,7 +10,7 @@ use allowance_core::{
     AdminError, Amounts, Catalog, CatalogChange, Clock, Dimension, EmbeddedStore, ExtendError,
     Granted, ManualClock, RefundError, Reservation, ReservationId, ReserveError, ReserveRequest,
     ScopeKey, ScopeStatus, SeededIds, SettleError, Store, StoreError, StoreStats, Unavailable,
-    Usage,
+    Usage, UsagePage,
 };
 
 /// Embedded stores of `shards` shards with deterministic ids.
@@ -115,6 +115,15 @@ impl Store for Checked {
         let a = self.inner.stats().await;
         self.check(a)
     }
+
+    async fn usage(
+        &self,
+        since: Option<u64>,
+        limit: usize,
+        tenant: Option<&str>,
+    ) -> Result<UsagePage, Unavailable> {
+        self.inner.usage(since, limit, tenant).await
+    }
 }
 
 /// One `#[tokio::test]` per case and shard count. The list must name every
@@ -173,6 +182,7 @@ conformance!(
     extend_not_held,
     expiry_observed_by_reads,
     stats_count_held_and_expired,
+    usage_log_records_every_end,
     idempotency_key_replays,
     idempotency_key_conflicts,
     denied_attempt_binds_no_key,

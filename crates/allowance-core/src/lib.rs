@@ -69,6 +69,7 @@ mod snapshot;
 mod store;
 mod sync;
 mod units;
+mod usage;
 mod window;
 
 pub use calendar::{CalendarUnit, Zone};
@@ -92,7 +93,8 @@ pub use scope::{MAX_ID_LEN, MAX_KIND_LEN, ScopeKey, ScopeSet, TENANT_KIND, valid
 pub use shared::{Committed, Journal, NoJournal, Outcome, SharedLedger};
 pub use snapshot::{LedgerSnapshot, SNAPSHOT_FORMAT, SnapshotError};
 pub use store::{
-    CatalogChange, Clock, EmbeddedStore, IdSource, ManualClock, SeededIds, Store, StoreError,
-    StoreStats, Unavailable,
+    CatalogChange, Clock, EmbeddedStore, IdSource, MEMORY_USAGE_RECORDS, ManualClock, SeededIds,
+    Store, StoreError, StoreStats, Unavailable, usage_page,
 };
 pub use units::{Amounts, Dimension, MAX_AMOUNT, Timestamp};
+pub use usage::{Adjustment, MAX_USAGE_PAGE, UsageEvent, UsageKind, UsagePage, UsageRecord};

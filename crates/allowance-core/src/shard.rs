@@ -583,6 +583,14 @@ pub(crate) struct ShardState {
     /// are none, a settle or refund needs no lookup to know it locks only
     /// this shard.
     pub(crate) multi_shard_records: usize,
+    /// Whether expiries are reported for the usage log (a store that keeps
+    /// one turns it on).
+    pub(crate) report_expiries: bool,
+    /// Home reservations that expired since the last journaled operation
+    /// on this shard collected them: the usage log's `expired` records.
+    /// Reads expire holds too, but only a journaled operation reports
+    /// them, so the log and a replay of it agree on where each appears.
+    pub(crate) expired_outbox: Vec<ReservationId>,
 }
 
 /// A shard: its configuration and its state.
@@ -958,6 +966,9 @@ impl ShardState {
             } else if let Some(rec) = self.records.get_mut(owner) {
                 // Counted in the home shard only: one per reservation.
                 self.expired_count += 1;
+                if self.report_expiries {
+                    self.expired_outbox.push(owner);
+                }
                 rec.res.status = Status::Expired;
                 rec.res.ended_at = Some(crate::Timestamp::from_millis(expires_ms));
                 rec.hold_slot = NO_SLOT;

@@ -15,6 +15,7 @@ use crate::scope::ScopeKey;
 use crate::shard::{Shard, ShardState};
 use crate::sync::{Mutex, MutexGuard};
 use crate::units::{Amounts, Dimension, Timestamp};
+use crate::usage::{Adjustment, UsageEvent, UsageKind};
 
 /// Keeps each shard's lock on its own cache line, so threads working on
 /// different tenants do not slow each other down through false sharing.
@@ -109,6 +110,12 @@ pub enum Committed<'a> {
     },
     /// A configuration change (every shard's lock is held).
     Catalog(&'a crate::store::CatalogChange),
+    /// Every shard observed `now` and reported its expiries (the sweeper,
+    /// when some were waiting to be reported, or a snapshot).
+    Tick {
+        /// The instant every shard observed.
+        now: Timestamp,
+    },
 }
 
 /// Where a [`SharedLedger`] reports the changes it applied (a write-ahead
@@ -117,8 +124,14 @@ pub enum Committed<'a> {
 pub trait Journal {
     /// What the caller gets back to wait on (e.g. the log position).
     type Ticket;
-    /// Records one applied change.
-    fn commit(&self, change: &Committed<'_>) -> Self::Ticket;
+    /// Whether this journal keeps a usage log: then each commit comes with
+    /// its [`UsageEvent`]s (the expiries its shards reported since their
+    /// last commit, then its own settle, refund or adjustment), which costs
+    /// a copy of each reservation that ended. The ledger must also have
+    /// been told to [`report_usage`](SharedLedger::report_usage).
+    const USAGE: bool = false;
+    /// Records one applied change and, if [`Journal::USAGE`], its usage events.
+    fn commit(&self, change: &Committed<'_>, usage: &[UsageEvent]) -> Self::Ticket;
 }
 
 /// The journal of a ledger that keeps nothing (memory only): free.
@@ -128,7 +141,48 @@ pub struct NoJournal;
 impl Journal for NoJournal {
     type Ticket = ();
     #[inline(always)]
-    fn commit(&self, _change: &Committed<'_>) {}
+    fn commit(&self, _change: &Committed<'_>, _usage: &[UsageEvent]) {}
+}
+
+/// The expiries the locked shards reported since their last commit, as
+/// usage events (empty unless the journal keeps a usage log).
+fn drained<J: Journal>(l: &mut Locked<'_>) -> Vec<UsageEvent> {
+    let mut out = Vec::new();
+    if !J::USAGE {
+        return out;
+    }
+    for (_, st) in l.parts.iter_mut() {
+        drain_shard(st, &mut out);
+    }
+    out
+}
+
+/// Moves a shard's reported expiries into `out`, each as the reservation
+/// was when it expired (a late settle in the same operation comes after).
+fn drain_shard(st: &mut ShardState, out: &mut Vec<UsageEvent>) {
+    for id in std::mem::take(&mut st.expired_outbox) {
+        let Some(rec) = st.records.get(id) else {
+            continue;
+        };
+        let mut res = rec.res.clone();
+        res.status = Status::Expired;
+        res.charged = None;
+        res.late = false;
+        res.ended_at = Some(res.expires_at);
+        out.push(UsageEvent::ended(UsageKind::Expired, res.expires_at, res));
+    }
+}
+
+/// The status of a reservation the home shard remembers, before an
+/// operation: tells a settle or refund from its repeat (which changes
+/// nothing and is not a second usage record).
+fn status_before(l: &Locked<'_>, id: ReservationId) -> Option<crate::reservation::Status> {
+    l.parts[l.home].1.records.get(id).map(|r| r.res.status)
+}
+
+/// A reservation's end as a usage event.
+fn ended(kind: UsageKind, res: &Reservation) -> UsageEvent {
+    UsageEvent::ended(kind, res.ended_at.unwrap_or(res.expires_at), res.clone())
 }
 
 /// The instant an operation used: the home shard observed it last.
@@ -232,7 +286,63 @@ impl SharedLedger {
             g.catalog = next.clone();
         }
         *current = next;
-        Ok(journal.commit(&Committed::Catalog(change)))
+        // A catalog change observes nothing: it reports no expiries.
+        Ok(journal.commit(&Committed::Catalog(change), &[]))
+    }
+
+    /// Turns on expiry reporting for the usage log (a store that keeps one
+    /// calls this once, before serving).
+    pub fn report_usage(&self) {
+        for s in self.shards.iter() {
+            s.0.lock().st.report_expiries = true;
+        }
+    }
+
+    /// Whether some shard has expiries waiting to be reported (a cheap
+    /// check before a [`tick_journaled`](SharedLedger::tick_journaled)).
+    pub fn has_unreported_expiries(&self) -> bool {
+        self.shards
+            .iter()
+            .any(|s| !s.0.lock().st.expired_outbox.is_empty())
+    }
+
+    /// Every shard observes `now` (or the latest instant any shard saw, if
+    /// later) under every lock, and the expiries waiting to be reported are
+    /// committed as a [`Committed::Tick`]; nothing is committed when there
+    /// are none. The sweeper calls this so an idle shard's expiries reach
+    /// the usage log without waiting for the next operation there.
+    pub fn tick_journaled<J: Journal>(&self, now: Timestamp, journal: &J) -> Option<J::Ticket> {
+        let mut guards: Vec<MutexGuard<'_, Shard>> =
+            self.shards.iter().map(|s| s.0.lock()).collect();
+        Self::tick_guards(&mut guards, now, journal)
+    }
+
+    /// [`SharedLedger::tick_journaled`] with every shard already locked.
+    pub(crate) fn tick_guards<J: Journal>(
+        guards: &mut [MutexGuard<'_, Shard>],
+        now: Timestamp,
+        journal: &J,
+    ) -> Option<J::Ticket> {
+        // One instant for all, as a replay of the tick will use.
+        let now = guards
+            .iter()
+            .map(|g| g.st.now_ms)
+            .fold(now.as_millis(), u64::max);
+        let mut events = Vec::new();
+        for g in guards.iter_mut() {
+            let Shard { catalog, st } = &mut **g;
+            st.observe(catalog, now, 0);
+            drain_shard(st, &mut events);
+        }
+        if events.is_empty() {
+            return None;
+        }
+        Some(journal.commit(
+            &Committed::Tick {
+                now: Timestamp::from_millis(now),
+            },
+            &events,
+        ))
     }
 
     /// Replaces the whole configuration (a restart with an edited file),
@@ -352,11 +462,17 @@ impl SharedLedger {
         let run = |l: &mut Locked<'_>| {
             let r = l.reserve(now, id, req);
             let ticket = match &r {
-                Ok(g) if !g.replayed && !g.dry_run => Some(journal.commit(&Committed::Reserve {
-                    now: used_now(l),
-                    id,
-                    req,
-                })),
+                Ok(g) if !g.replayed && !g.dry_run => {
+                    let usage = drained::<J>(l);
+                    Some(journal.commit(
+                        &Committed::Reserve {
+                            now: used_now(l),
+                            id,
+                            req,
+                        },
+                        &usage,
+                    ))
+                }
                 _ => None,
             };
             (r, ticket)
@@ -404,13 +520,24 @@ impl SharedLedger {
         journal: &J,
     ) -> Result<(Reservation, J::Ticket), SettleError> {
         self.with_reservation(id, |l| {
+            let repeat = J::USAGE && status_before(l, id) == Some(Status::Settled);
             let i = l.settle(now, id, usage)?;
-            let ticket = journal.commit(&Committed::Settle {
-                now: used_now(l),
-                id,
-                usage,
-            });
-            Ok((l.res_at(i).clone(), ticket))
+            let mut events = drained::<J>(l);
+            let res = l.res_at(i).clone();
+            // A repeat changed nothing: its record is logged (replaying it
+            // is harmless) but it is not a second usage record.
+            if J::USAGE && !repeat {
+                events.push(ended(UsageKind::Settled, &res));
+            }
+            let ticket = journal.commit(
+                &Committed::Settle {
+                    now: used_now(l),
+                    id,
+                    usage,
+                },
+                &events,
+            );
+            Ok((res, ticket))
         })
     }
 
@@ -438,12 +565,22 @@ impl SharedLedger {
         journal: &J,
     ) -> Result<(Reservation, J::Ticket), RefundError> {
         self.with_reservation(id, |l| {
+            let repeat = J::USAGE && status_before(l, id) == Some(Status::Refunded);
             let i = l.refund(now, id)?;
-            let ticket = journal.commit(&Committed::Refund {
-                now: used_now(l),
-                id,
-            });
-            Ok((l.res_at(i).clone(), ticket))
+            let mut events = drained::<J>(l);
+            let res = l.res_at(i).clone();
+            // A refund of an expired hold leaves it expired: no record.
+            if J::USAGE && !repeat && res.status == Status::Refunded {
+                events.push(ended(UsageKind::Refunded, &res));
+            }
+            let ticket = journal.commit(
+                &Committed::Refund {
+                    now: used_now(l),
+                    id,
+                },
+                &events,
+            );
+            Ok((res, ticket))
         })
     }
 
@@ -484,12 +621,16 @@ impl SharedLedger {
     ) -> Result<(Reservation, J::Ticket), ExtendError> {
         self.with_reservation(id, |l| {
             let i = l.extend(now, id, amounts, ttl_ms)?;
-            let ticket = journal.commit(&Committed::Extend {
-                now: used_now(l),
-                id,
-                amounts,
-                ttl_ms,
-            });
+            let events = drained::<J>(l);
+            let ticket = journal.commit(
+                &Committed::Extend {
+                    now: used_now(l),
+                    id,
+                    amounts,
+                    ttl_ms,
+                },
+                &events,
+            );
             Ok((l.res_at(i).clone(), ticket))
         })
     }
@@ -529,12 +670,28 @@ impl SharedLedger {
         let s = self.router.of_scope(scope);
         self.with_shards(&[s], s, |l| {
             let status = l.adjust(now, scope, dimension, credit)?;
-            let ticket = journal.commit(&Committed::Adjust {
-                now: used_now(l),
-                scope,
-                dimension,
-                credit,
-            });
+            let mut events = drained::<J>(l);
+            if J::USAGE {
+                events.push(UsageEvent {
+                    at: used_now(l),
+                    kind: UsageKind::Adjusted,
+                    reservation: None,
+                    adjustment: Some(Adjustment {
+                        scope: scope.clone(),
+                        dimension,
+                        credit,
+                    }),
+                });
+            }
+            let ticket = journal.commit(
+                &Committed::Adjust {
+                    now: used_now(l),
+                    scope,
+                    dimension,
+                    credit,
+                },
+                &events,
+            );
             Ok((status, ticket))
         })
     }

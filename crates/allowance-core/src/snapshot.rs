@@ -211,8 +211,31 @@ impl SharedLedger {
     /// Reads only: no shard observes anything, so the ledger's answers are
     /// the same as if no snapshot had been taken.
     pub fn snapshot_with<R>(&self, f: impl FnOnce() -> R) -> (R, LedgerSnapshot) {
+        let ((), r, snapshot) = self.snapshot_inner(|_| (), f);
+        (r, snapshot)
+    }
+
+    /// [`SharedLedger::snapshot_with`] for a store that keeps a usage log:
+    /// under the same locks, first a [`tick`](SharedLedger::tick_journaled)
+    /// at `now` commits the expiries waiting to be reported, so the snapshot
+    /// holds none (a snapshot does not carry them). Its ticket comes first.
+    pub fn snapshot_journaled<J: crate::Journal, R>(
+        &self,
+        now: crate::Timestamp,
+        journal: &J,
+        f: impl FnOnce() -> R,
+    ) -> (Option<J::Ticket>, R, LedgerSnapshot) {
+        self.snapshot_inner(|guards| SharedLedger::tick_guards(guards, now, journal), f)
+    }
+
+    fn snapshot_inner<T, R>(
+        &self,
+        first: impl FnOnce(&mut [MutexGuard<'_, crate::shard::Shard>]) -> T,
+        f: impl FnOnce() -> R,
+    ) -> (T, R, LedgerSnapshot) {
         let catalog = self.catalog.lock();
-        let guards: Vec<MutexGuard<'_, _>> = self.shards.iter().map(|s| s.0.lock()).collect();
+        let mut guards: Vec<MutexGuard<'_, _>> = self.shards.iter().map(|s| s.0.lock()).collect();
+        let t = first(&mut guards);
         let r = f();
         let mut w = Writer::new(&catalog);
         let shards = guards.iter().map(|g| w.shard(&g.st)).collect();
@@ -225,7 +248,7 @@ impl SharedLedger {
             scope_sets: w.scope_sets,
             shards,
         };
-        (r, snapshot)
+        (t, r, snapshot)
     }
 
     /// A ledger of `shards` shards (rounded as [`SharedLedger::new`] does)

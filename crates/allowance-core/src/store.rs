@@ -16,8 +16,9 @@ use crate::model::ModelPrice;
 use crate::plan::Plan;
 use crate::reservation::{Granted, Reservation, ReservationId, ReserveRequest, ScopeStatus, Usage};
 use crate::scope::ScopeKey;
-use crate::shared::SharedLedger;
+use crate::shared::{Committed, Journal, SharedLedger};
 use crate::units::{Amounts, Dimension, Timestamp};
+use crate::usage::{MAX_USAGE_PAGE, UsageEvent, UsagePage, UsageRecord};
 
 /// A source of the current instant.
 pub trait Clock: Send + Sync + 'static {
@@ -212,13 +213,93 @@ pub trait Store: Send + Sync + 'static {
     async fn expire_due(&self) -> Result<u64, Unavailable>;
     /// Counters for metrics (expiry observed first).
     async fn stats(&self) -> Result<StoreStats, Unavailable>;
+    /// The usage log after `since` (from the oldest retained record when
+    /// `None`), at most `limit` records (capped at [`MAX_USAGE_PAGE`]),
+    /// only `tenant`'s when given.
+    async fn usage(
+        &self,
+        since: Option<u64>,
+        limit: usize,
+        tenant: Option<&str>,
+    ) -> Result<UsagePage, Unavailable>;
 }
 
-/// The embedded, in-memory store: a [`SharedLedger`] with a clock and ids.
+/// How many usage records the in-memory store keeps (the oldest go first):
+/// an exporter reading at least this often misses nothing.
+pub const MEMORY_USAGE_RECORDS: usize = 100_000;
+
+/// The in-memory usage log: a bounded ring, numbered from 1.
+#[derive(Debug, Default)]
+struct MemoryUsage {
+    records: std::collections::VecDeque<UsageRecord>,
+    next_cursor: u64,
+}
+
+/// The in-memory store's journal: keeps usage events in the ring. Runs
+/// under the ledger's shard locks, so the ring's order is commit order.
+struct UsageJournal<'a>(&'a parking_lot::Mutex<MemoryUsage>);
+
+impl Journal for UsageJournal<'_> {
+    type Ticket = ();
+    const USAGE: bool = true;
+
+    fn commit(&self, _change: &Committed<'_>, usage: &[UsageEvent]) {
+        if usage.is_empty() {
+            return;
+        }
+        let mut log = self.0.lock();
+        for event in usage {
+            log.next_cursor += 1;
+            let cursor = log.next_cursor;
+            if log.records.len() == MEMORY_USAGE_RECORDS {
+                log.records.pop_front();
+            }
+            log.records.push_back(UsageRecord {
+                cursor,
+                event: event.clone(),
+            });
+        }
+    }
+}
+
+/// A page of `records` (cursor-ordered) after `since`.
+pub fn usage_page<'a>(
+    records: impl IntoIterator<Item = &'a UsageRecord>,
+    since: Option<u64>,
+    limit: usize,
+    tenant: Option<&str>,
+) -> UsagePage {
+    let after = since.unwrap_or(0);
+    let limit = limit.min(MAX_USAGE_PAGE);
+    let mut page = UsagePage {
+        records: Vec::new(),
+        next_cursor: after,
+    };
+    for r in records.into_iter().filter(|r| r.cursor > after) {
+        if page.records.len() == limit {
+            break;
+        }
+        // A filtered-out record still moves the cursor: the next page
+        // starts after everything this one looked at.
+        page.next_cursor = r.cursor;
+        if tenant.is_none_or(|t| r.event.tenant() == Some(t)) {
+            page.records.push(r.clone());
+        }
+    }
+    if page.records.is_empty() {
+        // HTTP-API.md: with no new records the cursor repeats.
+        page.next_cursor = after;
+    }
+    page
+}
+
+/// The embedded, in-memory store: a [`SharedLedger`] with a clock and ids,
+/// and the last [`MEMORY_USAGE_RECORDS`] usage records.
 pub struct EmbeddedStore {
     ledger: SharedLedger,
     clock: Arc<dyn Clock>,
     ids: Arc<dyn IdSource>,
+    usage: parking_lot::Mutex<MemoryUsage>,
 }
 
 impl EmbeddedStore {
@@ -229,10 +310,13 @@ impl EmbeddedStore {
         clock: Arc<dyn Clock>,
         ids: Arc<dyn IdSource>,
     ) -> Self {
+        let ledger = SharedLedger::new(catalog, shards);
+        ledger.report_usage();
         EmbeddedStore {
-            ledger: SharedLedger::new(catalog, shards),
+            ledger,
             clock,
             ids,
+            usage: parking_lot::Mutex::default(),
         }
     }
 
@@ -247,7 +331,8 @@ impl Store for EmbeddedStore {
     async fn reserve(&self, req: &ReserveRequest) -> Result<Granted, StoreError<ReserveError>> {
         let id = ReservationId::mint(self.ids.next_random(), req.scopes.tenant_name());
         self.ledger
-            .reserve(self.clock.now(), id, req)
+            .reserve_journaled(self.clock.now(), id, req, &self.journal())
+            .0
             .map_err(StoreError::Rejected)
     }
 
@@ -257,13 +342,15 @@ impl Store for EmbeddedStore {
         usage: &Usage,
     ) -> Result<Reservation, StoreError<SettleError>> {
         self.ledger
-            .settle_view(self.clock.now(), id, usage)
+            .settle_journaled(self.clock.now(), id, usage, &self.journal())
+            .map(|(r, ())| r)
             .map_err(StoreError::Rejected)
     }
 
     async fn refund(&self, id: ReservationId) -> Result<Reservation, StoreError<RefundError>> {
         self.ledger
-            .refund_view(self.clock.now(), id)
+            .refund_journaled(self.clock.now(), id, &self.journal())
+            .map(|(r, ())| r)
             .map_err(StoreError::Rejected)
     }
 
@@ -274,7 +361,8 @@ impl Store for EmbeddedStore {
         ttl_ms: Option<u64>,
     ) -> Result<Reservation, StoreError<ExtendError>> {
         self.ledger
-            .extend_view(self.clock.now(), id, amounts, ttl_ms)
+            .extend_journaled(self.clock.now(), id, amounts, ttl_ms, &self.journal())
+            .map(|(r, ())| r)
             .map_err(StoreError::Rejected)
     }
 
@@ -293,7 +381,8 @@ impl Store for EmbeddedStore {
         credit: i64,
     ) -> Result<ScopeStatus, StoreError<AdminError>> {
         self.ledger
-            .adjust(self.clock.now(), scope, dimension, credit)
+            .adjust_journaled(self.clock.now(), scope, dimension, credit, &self.journal())
+            .map(|(s, ())| s)
             .map_err(StoreError::Rejected)
     }
 
@@ -308,7 +397,13 @@ impl Store for EmbeddedStore {
     }
 
     async fn expire_due(&self) -> Result<u64, Unavailable> {
-        Ok(self.ledger.expire_due(self.clock.now()))
+        let expired = self.ledger.expire_due(self.clock.now());
+        // Expiries no operation reported yet reach the usage log now.
+        if self.ledger.has_unreported_expiries() {
+            self.ledger
+                .tick_journaled(self.clock.now(), &self.journal());
+        }
+        Ok(expired)
     }
 
     async fn stats(&self) -> Result<StoreStats, Unavailable> {
@@ -317,5 +412,32 @@ impl Store for EmbeddedStore {
             held_reservations: self.ledger.held_reservations() as u64,
             expired_total,
         })
+    }
+
+    async fn usage(
+        &self,
+        since: Option<u64>,
+        limit: usize,
+        tenant: Option<&str>,
+    ) -> Result<UsagePage, Unavailable> {
+        let log = self.usage.lock();
+        // Cursors are dense: skip straight to the first one after `since`.
+        let first = log.records.front().map_or(0, |r| r.cursor);
+        let skip = match since {
+            Some(s) if s >= first => (s - first + 1) as usize,
+            _ => 0,
+        };
+        Ok(usage_page(
+            log.records.iter().skip(skip.min(log.records.len())),
+            since,
+            limit,
+            tenant,
+        ))
+    }
+}
+
+impl EmbeddedStore {
+    fn journal(&self) -> UsageJournal<'_> {
+        UsageJournal(&self.usage)
     }
 }

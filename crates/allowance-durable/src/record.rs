@@ -11,7 +11,7 @@ use std::cell::RefCell;
 
 use allowance_core::{
     Amounts, Catalog, CatalogChange, Committed, Dimension, LedgerSnapshot, ReservationId,
-    ReserveRequest, ScopeKey, Timestamp, Usage,
+    ReserveRequest, ScopeKey, Timestamp, Usage, UsageEvent,
 };
 use serde::{Deserialize, Serialize};
 
@@ -53,6 +53,10 @@ pub(crate) enum RecordRef<'a> {
         credit: i64,
     },
     Admin(&'a CatalogChange),
+    /// Every shard observed `now` and reported its expiries.
+    Tick {
+        now: Timestamp,
+    },
 }
 
 /// One logged change, as replay reads it (owned).
@@ -86,6 +90,9 @@ pub(crate) enum Record {
         credit: i64,
     },
     Admin(Box<CatalogChange>),
+    Tick {
+        now: Timestamp,
+    },
 }
 
 impl<'a> From<&Committed<'a>> for RecordRef<'a> {
@@ -117,6 +124,7 @@ impl<'a> From<&Committed<'a>> for RecordRef<'a> {
                 credit,
             },
             Committed::Catalog(change) => RecordRef::Admin(change),
+            Committed::Tick { now } => RecordRef::Tick { now },
         }
     }
 }
@@ -209,4 +217,51 @@ pub(crate) fn push_overlay(overlay: &mut Vec<CatalogChange>, change: &CatalogCha
     };
     overlay.retain(|old| !supersedes(old));
     overlay.push(change.clone());
+}
+
+/// One record of the usage log (`data_dir/usage/`): an event with the main
+/// log's record it came from, so recovery knows which events to regenerate.
+#[derive(Serialize)]
+pub(crate) struct UsageEntryRef<'a> {
+    /// The main log's lsn of the operation that produced the event.
+    pub(crate) main_lsn: u64,
+    /// Its place among that operation's events.
+    pub(crate) index: u32,
+    pub(crate) event: &'a UsageEvent,
+}
+
+/// [`UsageEntryRef`], as read back.
+#[derive(Deserialize)]
+pub(crate) struct UsageEntry {
+    pub(crate) main_lsn: u64,
+    pub(crate) index: u32,
+    pub(crate) event: UsageEvent,
+}
+
+/// Decodes a usage entry.
+pub(crate) fn decode_usage(bytes: &[u8]) -> Result<UsageEntry, String> {
+    let (&version, body) = bytes.split_first().ok_or("an empty usage record")?;
+    if version != FORMAT_VERSION {
+        return Err(format!(
+            "usage record format version {version}, this build reads {FORMAT_VERSION}"
+        ));
+    }
+    postcard::from_bytes(body).map_err(|e| format!("undecodable usage record: {e}"))
+}
+
+/// Encodes a usage entry and hands the bytes to `f`.
+pub(crate) fn with_encoded_usage<R>(
+    entry: &UsageEntryRef<'_>,
+    f: impl FnOnce(&[u8]) -> R,
+) -> Result<R, postcard::Error> {
+    BUFFER.with(|b| {
+        let mut buf = std::mem::take(&mut *b.borrow_mut());
+        buf.clear();
+        buf.push(FORMAT_VERSION);
+        postcard::to_extend(entry, buf).map(|buf| {
+            let r = f(&buf);
+            *b.borrow_mut() = buf;
+            r
+        })
+    })
 }

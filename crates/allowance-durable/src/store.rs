@@ -6,9 +6,9 @@ use std::time::{Duration, Instant};
 
 use allowance_core::{
     AdminError, Amounts, Catalog, CatalogChange, Clock, Committed, Dimension, ExtendError, Granted,
-    IdSource, Journal, RefundError, Reservation, ReservationId, ReserveError, ReserveRequest,
-    ScopeKey, ScopeStatus, SettleError, SharedLedger, Store, StoreError, StoreStats, Unavailable,
-    Usage,
+    IdSource, Journal, MAX_USAGE_PAGE, RefundError, Reservation, ReservationId, ReserveError,
+    ReserveRequest, ScopeKey, ScopeStatus, SettleError, SharedLedger, Store, StoreError,
+    StoreStats, Timestamp, Unavailable, Usage, UsageEvent, UsagePage, UsageRecord,
 };
 use allowance_wal::{FileSystem, Lsn, ReplayProgress, TornTail, Wal, WalError, WalOptions};
 use async_trait::async_trait;
@@ -104,6 +104,13 @@ pub struct OpenReport {
 struct Live {
     ledger: SharedLedger,
     wal: Wal,
+    /// The usage log (`data_dir/usage/`): derived from `wal`, regenerated
+    /// from it after a crash, never truncated.
+    usage_wal: Wal,
+    /// Usage events of main records not durable yet, in main-log order:
+    /// they reach the usage log only once their record is durable, so the
+    /// usage log never holds an event the main log could lose.
+    pending_usage: Mutex<std::collections::VecDeque<(Lsn, Vec<UsageEvent>)>>,
     /// The configuration file's catalog the log last recorded.
     base: Arc<Catalog>,
     /// Admin changes in force, oldest first: what a new configuration file
@@ -118,14 +125,71 @@ struct WalJournal<'a>(&'a Live);
 
 impl Journal for WalJournal<'_> {
     type Ticket = Result<Lsn, String>;
+    const USAGE: bool = true;
 
-    fn commit(&self, change: &Committed<'_>) -> Self::Ticket {
+    fn commit(&self, change: &Committed<'_>, usage: &[UsageEvent]) -> Self::Ticket {
         if let Committed::Catalog(c) = change {
             record::push_overlay(&mut self.0.overlay.lock(), c);
         }
-        record::with_encoded(&RecordRef::from(change), |bytes| self.0.wal.append(bytes))
+        // Held across the append, so the queue is in the main log's order.
+        let mut pending = self.0.pending_usage.lock();
+        let lsn = record::with_encoded(&RecordRef::from(change), |bytes| self.0.wal.append(bytes))
             .map_err(|e| format!("cannot encode the record: {e}"))?
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())?;
+        if !usage.is_empty() {
+            pending.push_back((lsn, usage.to_vec()));
+        }
+        Ok(lsn)
+    }
+}
+
+/// Appends `events` (the main record `main_lsn`'s, from `first_index` on)
+/// to the usage log.
+fn append_usage(
+    usage_wal: &Wal,
+    main_lsn: Lsn,
+    first_index: usize,
+    events: &[UsageEvent],
+) -> Result<(), String> {
+    for (i, event) in events.iter().enumerate() {
+        let entry = record::UsageEntryRef {
+            main_lsn,
+            index: u32::try_from(first_index + i).unwrap_or(u32::MAX),
+            event,
+        };
+        record::with_encoded_usage(&entry, |bytes| usage_wal.append(bytes))
+            .map_err(|e| format!("cannot encode a usage record: {e}"))?
+            .map_err(|e| format!("usage log: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Moves the usage events of every durable main record into the usage log.
+fn flush_usage(live: &Live) -> Result<(), String> {
+    let durable = live.wal.durable_lsn();
+    let mut pending = live.pending_usage.lock();
+    while let Some((lsn, _)) = pending.front() {
+        if *lsn > durable {
+            break;
+        }
+        let Some((lsn, events)) = pending.pop_front() else {
+            break;
+        };
+        append_usage(&live.usage_wal, lsn, 0, &events)?;
+    }
+    Ok(())
+}
+
+/// Collects the usage events a replayed operation produces.
+#[derive(Default)]
+struct Collect(std::cell::RefCell<Vec<UsageEvent>>);
+
+impl Journal for Collect {
+    type Ticket = ();
+    const USAGE: bool = true;
+
+    fn commit(&self, _change: &Committed<'_>, usage: &[UsageEvent]) {
+        self.0.borrow_mut().extend_from_slice(usage);
     }
 }
 
@@ -205,7 +269,7 @@ impl DurableStore {
     /// off the async runtime.
     pub fn snapshot_now(&self) -> Result<Lsn, String> {
         let live = self.inner.live().map_err(|e| e.0)?;
-        write_snapshot(&live)
+        write_snapshot(&live, self.inner.clock.now())
     }
 
     /// Stops the log cleanly (everything appended written and synced).
@@ -294,6 +358,10 @@ fn describe(change: &CatalogChange) -> String {
 /// Replays records into a ledger, checking each replays as it ran.
 struct Replayer {
     ledger: SharedLedger,
+    /// The usage log and the position it has reached: the events of main
+    /// records after it are appended as replay regenerates them.
+    usage_wal: Wal,
+    usage_upto: (Lsn, Option<u32>),
     base: Option<Catalog>,
     overlay: Vec<CatalogChange>,
     skipped: Vec<String>,
@@ -312,6 +380,7 @@ impl Replayer {
 
     fn apply(&mut self, lsn: Lsn, bytes: &[u8]) -> Result<(), String> {
         let rec = record::decode(bytes)?;
+        let events = Collect::default();
         if self.base.is_none() && !matches!(rec, Record::Base(_)) {
             return Err(
                 "the log does not start with its configuration (a Base record): \
@@ -326,18 +395,20 @@ impl Replayer {
                 self.ledger.replace_catalog(next);
                 self.base = Some(*c);
             }
-            Record::Reserve { now, id, req } => match self.ledger.reserve(now, id, &req) {
-                Ok(g) if !g.replayed && !g.dry_run => {}
-                Ok(_) => self.diverged(lsn, format!("reserve {id} answered a repeat")),
-                Err(e) => self.diverged(lsn, format!("reserve {id} refused: {e}")),
-            },
+            Record::Reserve { now, id, req } => {
+                match self.ledger.reserve_journaled(now, id, &req, &events).0 {
+                    Ok(g) if !g.replayed && !g.dry_run => {}
+                    Ok(_) => self.diverged(lsn, format!("reserve {id} answered a repeat")),
+                    Err(e) => self.diverged(lsn, format!("reserve {id} refused: {e}")),
+                }
+            }
             Record::Settle { now, id, usage } => {
-                if let Err(e) = self.ledger.settle_view(now, id, &usage) {
+                if let Err(e) = self.ledger.settle_journaled(now, id, &usage, &events) {
                     self.diverged(lsn, format!("settle {id} refused: {e}"));
                 }
             }
             Record::Refund { now, id } => {
-                if let Err(e) = self.ledger.refund_view(now, id) {
+                if let Err(e) = self.ledger.refund_journaled(now, id, &events) {
                     self.diverged(lsn, format!("refund {id} refused: {e}"));
                 }
             }
@@ -347,7 +418,10 @@ impl Replayer {
                 amounts,
                 ttl_ms,
             } => {
-                if let Err(e) = self.ledger.extend_view(now, id, amounts.as_ref(), ttl_ms) {
+                if let Err(e) =
+                    self.ledger
+                        .extend_journaled(now, id, amounts.as_ref(), ttl_ms, &events)
+                {
                     self.diverged(lsn, format!("extend {id} refused: {e}"));
                 }
             }
@@ -357,8 +431,16 @@ impl Replayer {
                 dimension,
                 credit,
             } => {
-                if let Err(e) = self.ledger.adjust(now, &scope, dimension, credit) {
+                if let Err(e) = self
+                    .ledger
+                    .adjust_journaled(now, &scope, dimension, credit, &events)
+                {
                     self.diverged(lsn, format!("adjust {scope} refused: {e}"));
+                }
+            }
+            Record::Tick { now } => {
+                if self.ledger.tick_journaled(now, &events).is_none() {
+                    self.diverged(lsn, "a tick reported no expiry".to_owned());
                 }
             }
             Record::Admin(change) => {
@@ -368,6 +450,17 @@ impl Replayer {
                 }
                 record::push_overlay(&mut self.overlay, &change);
             }
+        }
+        // Events the usage log lacks (a crash came between the two logs'
+        // writes) are appended now, in the order they first happened.
+        let events = events.0.into_inner();
+        let from = match self.usage_upto {
+            (upto, _) if lsn > upto => 0,
+            (upto, Some(index)) if lsn == upto => index as usize + 1,
+            _ => events.len(),
+        };
+        if from < events.len() {
+            append_usage(&self.usage_wal, lsn, from, &events[from..])?;
         }
         Ok(())
     }
@@ -381,6 +474,8 @@ fn recover(
 ) -> Result<(Live, OpenReport, Option<Lsn>), OpenError> {
     let dir = inner.opts.wal.dir.display().to_string();
     let (wal, recovered) = Wal::open(inner.opts.wal.clone(), inner.fs.clone())?;
+    let (usage_wal, _) = Wal::open(usage_options(&inner.opts.wal), inner.fs.clone())?;
+    let usage_upto = last_usage(&usage_wal)?;
     let mut report = OpenReport {
         torn_tail: recovered.torn_tail.clone(),
         ..OpenReport::default()
@@ -396,10 +491,13 @@ fn recover(
             let body = record::decode_snapshot(&bytes).map_err(bad)?;
             let ledger = SharedLedger::from_snapshot(body.ledger, inner.opts.shards)
                 .map_err(|e| bad(e.to_string()))?;
+            ledger.report_usage();
             report.snapshot_lsn = Some(lsn);
             (
                 Replayer {
                     ledger,
+                    usage_wal,
+                    usage_upto,
                     base: Some(body.base),
                     overlay: body.overlay,
                     skipped: Vec::new(),
@@ -410,7 +508,13 @@ fn recover(
         }
         None => (
             Replayer {
-                ledger: SharedLedger::new((*inner.config).clone(), inner.opts.shards),
+                ledger: {
+                    let l = SharedLedger::new((*inner.config).clone(), inner.opts.shards);
+                    l.report_usage();
+                    l
+                },
+                usage_wal,
+                usage_upto,
                 base: None,
                 overlay: Vec::new(),
                 skipped: Vec::new(),
@@ -422,6 +526,8 @@ fn recover(
     report.replayed = wal.replay_with_progress(after, |lsn, b| replayer.apply(lsn, b), progress)?;
     let Replayer {
         ledger,
+        usage_wal,
+        usage_upto: _,
         base,
         overlay,
         skipped,
@@ -456,12 +562,43 @@ fn recover(
     let live = Live {
         ledger,
         wal,
+        usage_wal,
+        pending_usage: Mutex::new(std::collections::VecDeque::new()),
         base: inner.config.clone(),
         overlay: Mutex::new(overlay),
         since_snapshot: AtomicU64::new(report.replayed),
         snapshotting: AtomicBool::new(false),
     };
     Ok((live, report, wait_for))
+}
+
+/// The usage log's options: in `usage/` under the data dir, small segments
+/// (a page read scans one), no fsync of its own (it is regenerated from
+/// the main log; it is fsynced before a snapshot deletes main segments).
+fn usage_options(main: &WalOptions) -> WalOptions {
+    let mut opts = WalOptions::new(main.dir.join("usage"));
+    opts.fsync = allowance_wal::Fsync::Never;
+    opts.segment_bytes = USAGE_SEGMENT_BYTES;
+    opts
+}
+
+/// Usage log segments: a page read decodes at most a few of them.
+const USAGE_SEGMENT_BYTES: u64 = 4 << 20;
+
+/// Where the usage log stands: the main lsn and event index of its last
+/// record (`(0, None)` when it is empty).
+fn last_usage(usage_wal: &Wal) -> Result<(Lsn, Option<u32>), OpenError> {
+    let last = usage_wal.last_lsn();
+    if last == 0 {
+        return Ok((0, None));
+    }
+    let mut found = (0, None);
+    usage_wal.replay(last - 1, |_, bytes| {
+        let entry = record::decode_usage(bytes)?;
+        found = (entry.main_lsn, Some(entry.index));
+        Ok(())
+    })?;
+    Ok(found)
 }
 
 /// Two catalogs are the same configuration when they encode the same.
@@ -473,10 +610,23 @@ fn same_catalog(a: &Catalog, b: &Catalog) -> bool {
 }
 
 /// Writes a snapshot of `live` and deletes the log it covers.
-fn write_snapshot(live: &Live) -> Result<Lsn, String> {
-    let ((lsn, overlay), ledger) = live
-        .ledger
-        .snapshot_with(|| (live.wal.last_lsn(), live.overlay.lock().clone()));
+fn write_snapshot(live: &Live, now: Timestamp) -> Result<Lsn, String> {
+    // Expiries not reported yet are committed first (a snapshot carries
+    // none), under the same locks.
+    let (tick, (lsn, overlay), ledger) =
+        live.ledger.snapshot_journaled(now, &WalJournal(live), || {
+            (live.wal.last_lsn(), live.overlay.lock().clone())
+        });
+    if let Some(ticket) = tick {
+        ticket?;
+    }
+    // The usage log is derived from the main log: it must be on disk before
+    // the main records it came from are deleted.
+    live.wal.sync_all().map_err(|e| e.to_string())?;
+    flush_usage(live)?;
+    live.usage_wal
+        .sync_all()
+        .map_err(|e| format!("usage log: {e}"))?;
     let body = SnapshotBody {
         base: (*live.base).clone(),
         overlay,
@@ -504,6 +654,9 @@ impl DurableStore {
         if let Err(e) = live.wal.durable(lsn).await {
             return Err(self.fence(live, &e.to_string()));
         }
+        if let Err(e) = flush_usage(live) {
+            return Err(self.fence(live, &e));
+        }
         self.maybe_snapshot(live);
         Ok(())
     }
@@ -527,9 +680,10 @@ impl DurableStore {
             return;
         }
         let live = live.clone();
+        let now = self.inner.clock.now();
         tokio::task::spawn_blocking(move || {
             let started = Instant::now();
-            match write_snapshot(&live) {
+            match write_snapshot(&live, now) {
                 Ok(lsn) => {
                     live.since_snapshot.store(0, Ordering::Relaxed);
                     tracing::info!(
@@ -724,7 +878,16 @@ impl Store for DurableStore {
 
     async fn expire_due(&self) -> Result<u64, Unavailable> {
         let live = self.inner.live()?;
-        Ok(live.ledger.expire_due(self.inner.clock.now()))
+        let expired = live.ledger.expire_due(self.inner.clock.now());
+        // Expiries no operation reported yet reach the usage log now.
+        if live.ledger.has_unreported_expiries()
+            && let Some(ticket) = live
+                .ledger
+                .tick_journaled(self.inner.clock.now(), &WalJournal(&live))
+        {
+            self.durable(&live, ticket).await?;
+        }
+        Ok(expired)
     }
 
     async fn stats(&self) -> Result<StoreStats, Unavailable> {
@@ -734,5 +897,74 @@ impl Store for DurableStore {
             held_reservations: live.ledger.held_reservations() as u64,
             expired_total,
         })
+    }
+
+    async fn usage(
+        &self,
+        since: Option<u64>,
+        limit: usize,
+        tenant: Option<&str>,
+    ) -> Result<UsagePage, Unavailable> {
+        let live = self.inner.live()?;
+        // Everything answered so far is in the usage log once written (it
+        // does not wait for fsync): an answered settle is in the next page.
+        flush_usage(&live).map_err(|e| self.fence(&live, &e))?;
+        let last = live.usage_wal.last_lsn();
+        live.usage_wal
+            .durable(last)
+            .await
+            .map_err(|e| Unavailable(format!("usage log: {e}")))?;
+        let limit = limit.min(MAX_USAGE_PAGE);
+        let after = since.unwrap_or(0);
+        let tenant = tenant.map(str::to_owned);
+        let page = tokio::task::spawn_blocking(move || read_usage(&live, after, limit, tenant))
+            .await
+            .map_err(|e| Unavailable(format!("usage log reader stopped: {e}")))??;
+        Ok(page)
+    }
+}
+
+/// Marks the end of a page inside a replay (not an error).
+const PAGE_FULL: &str = "page full";
+
+/// Reads one page of the usage log from disk.
+fn read_usage(
+    live: &Live,
+    after: u64,
+    limit: usize,
+    tenant: Option<String>,
+) -> Result<UsagePage, Unavailable> {
+    let mut page = UsagePage {
+        records: Vec::new(),
+        next_cursor: after,
+    };
+    if limit == 0 {
+        return Ok(page);
+    }
+    let outcome = live.usage_wal.replay(after, |lsn, bytes| {
+        let entry = record::decode_usage(bytes)?;
+        page.next_cursor = lsn;
+        if tenant
+            .as_deref()
+            .is_none_or(|t| entry.event.tenant() == Some(t))
+        {
+            page.records.push(UsageRecord {
+                cursor: lsn,
+                event: entry.event,
+            });
+            if page.records.len() == limit {
+                return Err(PAGE_FULL.to_owned());
+            }
+        }
+        Ok(())
+    });
+    if page.records.is_empty() {
+        // HTTP-API.md: with no new records the cursor repeats.
+        page.next_cursor = after;
+    }
+    match outcome {
+        Ok(_) => Ok(page),
+        Err(WalError::Replay { message, .. }) if message == PAGE_FULL => Ok(page),
+        Err(e) => Err(Unavailable(format!("usage log: {e}"))),
     }
 }

@@ -13,6 +13,7 @@ use allowance_core::{
     AdminError, Amounts, Catalog, CatalogChange, Clock, Dimension, ExtendError, Granted,
     ManualClock, RefundError, Reservation, ReservationId, ReserveError, ReserveRequest, ScopeKey,
     ScopeStatus, SeededIds, SettleError, Store, StoreError, StoreStats, Unavailable, Usage,
+    UsagePage,
 };
 use allowance_durable::{DurableOptions, DurableStore};
 use allowance_wal::{Fsync, RealFs};
@@ -183,6 +184,15 @@ impl Store for Reopening {
         let a = self.store.read().await.stats().await;
         self.check(a).await
     }
+
+    async fn usage(
+        &self,
+        since: Option<u64>,
+        limit: usize,
+        tenant: Option<&str>,
+    ) -> Result<UsagePage, Unavailable> {
+        self.store.read().await.usage(since, limit, tenant).await
+    }
 }
 
 /// One `#[tokio::test]` per case: on one shard as is, and on sixteen shards
@@ -242,6 +252,7 @@ conformance!(
     extend_not_held,
     expiry_observed_by_reads,
     stats_count_held_and_expired,
+    usage_log_records_every_end,
     idempotency_key_replays,
     idempotency_key_conflicts,
     denied_attempt_binds_no_key,

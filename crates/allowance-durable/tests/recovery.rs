@@ -11,7 +11,7 @@ use allowance_conformance::catalogs::{self, MINUTE_MS, START_MS};
 use allowance_core::{
     Amounts, Catalog, CatalogChange, Clock, Dimension, ManualClock, Override, Reservation,
     ReservationId, ReserveRequest, ScopeKey, ScopeStatus, SeededIds, Status, Store, StoreError,
-    Timestamp, Usage,
+    Timestamp, Usage, UsageRecord,
 };
 use allowance_durable::{DurableOptions, DurableStore, OpenError, OpenReport};
 use allowance_wal::{FaultyFs, FileSystem, Fsync, RealFs, WalError};
@@ -170,6 +170,36 @@ async fn observe(
     (statuses, reservations)
 }
 
+/// The whole usage log, page by page.
+async fn usage_log(store: &DurableStore) -> Vec<UsageRecord> {
+    let mut out = Vec::new();
+    let mut since = None;
+    loop {
+        let page = store.usage(since, 7, None).await.expect("usage");
+        if page.records.is_empty() {
+            return out;
+        }
+        since = Some(page.next_cursor);
+        out.extend(page.records);
+    }
+}
+
+/// Each end of a reservation is reported once (an expiry and a late settle
+/// are two different ends).
+fn assert_each_end_once(log: &[UsageRecord]) {
+    let mut seen = std::collections::HashSet::new();
+    for r in log {
+        if let Some(res) = &r.event.reservation {
+            assert!(
+                seen.insert((r.event.kind, res.id)),
+                "{:?} of {} reported twice",
+                r.event.kind,
+                res.id
+            );
+        }
+    }
+}
+
 /// Runs `ops` on the store; returns the ids it was granted.
 async fn run(
     store: &mut DurableStore,
@@ -285,6 +315,8 @@ proptest! {
             let granted = run(&mut store, &ops, &mut reopen, &clock).await;
             let scopes = store.with_ledger(|l| l.known_scopes()).expect("serving");
             let live = observe(&store, &scopes, &granted).await;
+            let live_usage = usage_log(&store).await;
+            assert_each_end_once(&live_usage);
             store.with_ledger(|l| l.check_invariants(clock.now())).expect("serving").expect("invariants");
             // As after kill -9: the store is dropped without a clean close
             // (a snapshot still being written holds the dir a moment longer).
@@ -293,7 +325,76 @@ proptest! {
             let again = observe(&rebuilt, &scopes, &granted).await;
             prop_assert_eq!(&live.0, &again.0);
             prop_assert_eq!(&live.1, &again.1);
+            // A snapshot still running when the store was dropped may have
+            // reported expiries the last reads observed (a tick): those may
+            // follow, nothing else.
+            let rebuilt_usage = usage_log(&rebuilt).await;
+            prop_assert!(rebuilt_usage.len() >= live_usage.len());
+            prop_assert_eq!(&live_usage[..], &rebuilt_usage[..live_usage.len()]);
+            prop_assert!(rebuilt_usage[live_usage.len()..]
+                .iter()
+                .all(|r| r.event.kind == allowance_core::UsageKind::Expired));
+            assert_each_end_once(&rebuilt_usage);
             rebuilt.with_ledger(|l| l.check_invariants(clock.now())).expect("serving").expect("invariants");
+            Ok(())
+        })?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
+
+    /// The usage log is derived from the main log: lose all of it, or its
+    /// tail, and a restart regenerates exactly the same records, cursors
+    /// included.
+    #[test]
+    fn usage_log_is_regenerated_from_the_main_log(
+        ops in proptest::collection::vec(op(), 1..60),
+        shards in prop_oneof![Just(1usize), Just(4)],
+        lose_all in any::<bool>(),
+        cut_bytes in 1u64..400,
+    ) {
+        let rt = runtime();
+        rt.block_on(async {
+            let dir = tempfile::tempdir().expect("temp dir");
+            let clock = Arc::new(ManualClock::new(Timestamp::from_millis(START_MS)));
+            let ids = Arc::new(SeededIds::new(43));
+            let fs: Arc<dyn FileSystem> = Arc::new(RealFs);
+            // No snapshots: the main log holds everything to regenerate from.
+            let (mut store, _) = open_store(dir.path(), fs.clone(), shards, u64::MAX, &clock, &ids)
+                .await
+                .expect("open");
+            let mut reopen = async || {
+                open_store(dir.path(), fs.clone(), shards, u64::MAX, &clock, &ids)
+                    .await
+                    .expect("reopen")
+                    .0
+            };
+            run(&mut store, &ops, &mut reopen, &clock).await;
+            store.expire_due().await.expect("sweep");
+            let before = usage_log(&store).await;
+            assert_each_end_once(&before);
+            store.close().await.expect("close");
+            let usage_dir = dir.path().join("usage");
+            if lose_all {
+                std::fs::remove_dir_all(&usage_dir).expect("remove the usage log");
+            } else if let Some(last) = std::fs::read_dir(&usage_dir)
+                .expect("usage dir")
+                .map(|e| e.expect("entry").path())
+                .filter(|p| p.extension().is_some_and(|e| e == "wal"))
+                .max()
+            {
+                let len = std::fs::metadata(&last).expect("metadata").len();
+                // Cut into the records, never into the segment's header.
+                let keep = len.saturating_sub(cut_bytes).max(64.min(len));
+                let f = std::fs::OpenOptions::new().write(true).open(&last).expect("open");
+                f.set_len(keep).expect("cut");
+            }
+            let (store, report) = open_store(dir.path(), fs.clone(), shards, u64::MAX, &clock, &ids)
+                .await
+                .expect("reopen");
+            prop_assert!(report.divergences.is_empty(), "{:?}", report.divergences);
+            prop_assert_eq!(&before, &usage_log(&store).await);
             Ok(())
         })?;
     }
@@ -420,6 +521,27 @@ fn faults_below_the_log_lose_nothing_acknowledged() {
             assert!(
                 store.get(*id).await.expect("get").is_some(),
                 "acknowledged reserve {id} lost"
+            );
+        }
+        // The usage log was regenerated where the faults cut it: every
+        // acknowledged end is in it exactly once.
+        let log = usage_log(&store).await;
+        assert_each_end_once(&log);
+        let logged = |kind: allowance_core::UsageKind, id: ReservationId| {
+            log.iter().any(|r| {
+                r.event.kind == kind && r.event.reservation.as_ref().is_some_and(|res| res.id == id)
+            })
+        };
+        for (id, _) in &acked.settled {
+            assert!(
+                logged(allowance_core::UsageKind::Settled, *id),
+                "settle {id} not in the usage log"
+            );
+        }
+        for id in &acked.refunded {
+            assert!(
+                logged(allowance_core::UsageKind::Refunded, *id),
+                "refund {id} not in the usage log"
             );
         }
         store

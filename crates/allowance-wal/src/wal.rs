@@ -474,6 +474,15 @@ impl Wal {
         let _ = handle.join();
     }
 
+    /// Blocks until everything appended so far is fsynced, whatever the
+    /// policy (a log derived from another is made safe before the other
+    /// deletes what it was derived from). Call it off the async runtime.
+    pub fn sync_all(&self) -> Result<Lsn, WalError> {
+        let lsn = self.last_lsn();
+        self.wait_synced(lsn)?;
+        Ok(lsn)
+    }
+
     fn wait_synced(&self, lsn: Lsn) -> Result<(), WalError> {
         let mut state = self.shared.state.lock();
         loop {
@@ -646,9 +655,13 @@ impl Writer {
         if sync {
             self.sync()?;
         }
-        if self.shared.fsync != Fsync::Always {
-            self.active.acked_bytes = self.active.bytes;
-        }
+        // `acked_bytes` moves only at an fsync, whatever the policy: after a
+        // failed fsync the kernel may have dropped written pages while reads
+        // still show them, and a later successful fsync would leave a hole
+        // of zeros in the middle of the log at the next power loss. So a
+        // failure cuts back to the last fsync: under `batch` and `never`
+        // that drops what a power loss could have dropped (the policy's loss
+        // bound), never more.
         self.publish();
         Ok(())
     }
