@@ -5,6 +5,7 @@
 //! allowance init                      # print the starter configuration
 //! allowance check-config FILE         # validate; print the effective plans
 //! allowance status SCOPE [--server URL] [--token T]
+//! allowance usage export [--server URL] [--token T] [--since CURSOR] [--limit N]
 //! allowance bench [--server URL | --embedded] [--scenario NAME] [--duration 10s] [--concurrency 64]
 //! allowance token                     # a new token and its sha256
 //! ```
@@ -14,6 +15,7 @@
 mod bench;
 mod serve;
 mod status;
+mod usage;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -58,6 +60,8 @@ enum Command {
     },
     /// Show a scope's limits with fill bars.
     Status(status::StatusArgs),
+    /// The usage log for billing: `usage export` prints it as JSON lines.
+    Usage(usage::UsageArgs),
     /// Load-test a server: throughput and latency of reserve+settle pairs.
     Bench(bench::BenchArgs),
     /// Serve the no-op ceiling of `bench` (same routes and bodies, fixed answers).
@@ -122,6 +126,7 @@ fn main() -> ExitCode {
             serve::run(args)
         }
         Command::Status(args) => status::run(args),
+        Command::Usage(args) => usage::run(args),
         Command::Bench(args) => {
             init_logs(cli.log_format);
             bench::run(args)

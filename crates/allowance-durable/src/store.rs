@@ -573,11 +573,14 @@ fn recover(
 }
 
 /// The usage log's options: in `usage/` under the data dir, small segments
-/// (a page read scans one), no fsync of its own (it is regenerated from
-/// the main log; it is fsynced before a snapshot deletes main segments).
+/// (a page read scans one). Fsynced per group commit like the main log,
+/// though nothing waits for it: a log acknowledged before its fsync could,
+/// after a failed fsync and a power loss, come back with a hole that stops
+/// start-up; fsynced, a failure cuts it back cleanly and a restart
+/// regenerates the rest from the main log.
 fn usage_options(main: &WalOptions) -> WalOptions {
     let mut opts = WalOptions::new(main.dir.join("usage"));
-    opts.fsync = allowance_wal::Fsync::Never;
+    opts.fsync = allowance_wal::Fsync::Always;
     opts.segment_bytes = USAGE_SEGMENT_BYTES;
     opts
 }
@@ -906,8 +909,8 @@ impl Store for DurableStore {
         tenant: Option<&str>,
     ) -> Result<UsagePage, Unavailable> {
         let live = self.inner.live()?;
-        // Everything answered so far is in the usage log once written (it
-        // does not wait for fsync): an answered settle is in the next page.
+        // Everything answered so far is in the usage log once durable: an
+        // answered settle is in the next page.
         flush_usage(&live).map_err(|e| self.fence(&live, &e))?;
         let last = live.usage_wal.last_lsn();
         live.usage_wal

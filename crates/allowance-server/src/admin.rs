@@ -352,8 +352,8 @@ pub(crate) async fn scope_post(
                 ),
                 e => e,
             })?;
-        // The usage log (with the durable store) will carry this record;
-        // until then the audit trail is the structured log.
+        // The usage log carries the adjustment (an `adjusted` record); the
+        // reason is in this structured log line.
         tracing::info!(scope = %key, dimension = %body.dimension, amount = body.amount.0,
             reason = %body.reason, "admin adjustment");
         Ok(("ok", axum::Json(ScopeStatusView::of(&s)).into_response()))

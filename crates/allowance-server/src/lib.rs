@@ -27,6 +27,7 @@ pub mod headers;
 pub mod metrics;
 mod openapi;
 mod routes;
+mod usage;
 pub mod wire;
 
 use std::future::Future;

@@ -10,7 +10,7 @@ use allowance_core::{Denial, StoreStats};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 /// Operations by outcome: `op` (reserve, settle, refund, extend, get,
-/// status, admin), `outcome` (ok, replayed, dry_run, denied, invalid,
+/// status, admin, usage), `outcome` (ok, replayed, dry_run, denied, invalid,
 /// not_found, conflict, unavailable, …).
 pub const OPERATIONS: &str = "allowance_operations_total";
 /// Denials by `scope_kind`, `dimension` and `type`.

@@ -27,6 +27,7 @@ use crate::AppState;
         crate::admin::scope_put,
         crate::admin::scope_delete,
         crate::admin::scope_post,
+        crate::usage::usage,
     ),
     components(schemas(allowance_config::LimitSpec)),
     modifiers(&Bearer)

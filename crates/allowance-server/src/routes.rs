@@ -32,6 +32,7 @@ pub(crate) fn router() -> Router<AppState> {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
+        .route("/v1/usage", get(crate::usage::usage))
 }
 
 /// Outcome label of an error answer.

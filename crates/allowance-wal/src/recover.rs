@@ -35,8 +35,8 @@ pub(crate) struct Active {
     pub(crate) path: PathBuf,
     /// The file's size as written by us.
     pub(crate) bytes: u64,
-    /// The size up to which the file is fsynced: what a failure rolls the
-    /// file back to.
+    /// The size up to which every record is acknowledged (durable under
+    /// the policy): what a failure rolls the file back to.
     pub(crate) acked_bytes: u64,
 }
 

@@ -655,13 +655,13 @@ impl Writer {
         if sync {
             self.sync()?;
         }
-        // `acked_bytes` moves only at an fsync, whatever the policy: after a
-        // failed fsync the kernel may have dropped written pages while reads
-        // still show them, and a later successful fsync would leave a hole
-        // of zeros in the middle of the log at the next power loss. So a
-        // failure cuts back to the last fsync: under `batch` and `never`
-        // that drops what a power loss could have dropped (the policy's loss
-        // bound), never more.
+        if self.shared.fsync != Fsync::Always {
+            // Acknowledged at the write: a failure keeps it. (After a failed
+            // fsync a later power loss may then turn it into zeros in the
+            // middle of the log, which open reports as damage: the price of
+            // acknowledging before the fsync. `Always` has no such window.)
+            self.active.acked_bytes = self.active.bytes;
+        }
         self.publish();
         Ok(())
     }
