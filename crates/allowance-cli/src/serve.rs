@@ -240,7 +240,7 @@ async fn open_durable(
         snapshot_lsn = report.snapshot_lsn.unwrap_or(0),
         replayed = report.replayed,
         last_lsn = report.last_lsn,
-        expired_at_start = report.expired_at_start,
+        expired_total = report.expired_total,
         config_changed = report.config_changed,
         elapsed_ms = report.elapsed.as_millis() as u64,
         "store: embedded, durable"

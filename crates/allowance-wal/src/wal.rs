@@ -56,6 +56,7 @@ struct Shared {
     fsync: Fsync,
     segment_bytes: u64,
     max_pending_bytes: u64,
+    write_every: Option<std::time::Duration>,
     fs: Arc<dyn FileSystem>,
     state: Mutex<State>,
     /// Wakes the writer: something was appended, a sync is wanted, or shutdown.
@@ -120,6 +121,7 @@ impl Wal {
             fsync: opts.fsync,
             segment_bytes: opts.segment_bytes,
             max_pending_bytes: opts.max_pending_bytes,
+            write_every: opts.write_every,
             fs,
             state: Mutex::new(State {
                 pending: Vec::new(),
@@ -192,7 +194,9 @@ impl Wal {
         format::encode_record(&mut state.pending, lsn, payload);
         state.last_lsn = lsn;
         drop(state);
-        self.shared.writer_cv.notify_one();
+        if self.shared.write_every.is_none() {
+            self.shared.writer_cv.notify_one();
+        }
         Ok(lsn)
     }
 
@@ -597,6 +601,12 @@ impl Writer {
         loop {
             if !state.pending.is_empty() || state.sync_wanted || state.shutdown {
                 break;
+            }
+            if let Some(every) = shared.write_every {
+                // Appends do not wake this writer: it looks every `every`
+                // (a sync request or shutdown still wakes it at once).
+                shared.writer_cv.wait_for(&mut state, every);
+                continue;
             }
             let deadline = match (shared.fsync, self.dirty_since) {
                 (Fsync::Batch { window }, Some(since)) => Some(since + window),

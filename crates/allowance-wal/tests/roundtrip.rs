@@ -274,3 +274,45 @@ fn a_full_backlog_refuses_appends_until_the_disk_catches_up() {
         [(1, vec![1; 20]), (2, vec![2; 20]), (3, vec![3; 20])]
     );
 }
+
+/// A writer with `write_every` is never woken by an append, yet writes what
+/// accumulated on its own schedule: `durable` resolves (bounded generously
+/// to catch a writer that never looks), and `sync_all` wakes it at once.
+#[test]
+fn a_lazy_writer_writes_on_its_own_schedule() {
+    let dir = TempDir::new("lazy-writer");
+    let opts = WalOptions {
+        write_every: Some(Duration::from_millis(5)),
+        ..WalOptions::new(dir.path())
+    };
+    let (wal, _) = Wal::open(opts, Arc::new(RealFs)).expect("open");
+    let rt = runtime();
+    let lsn = wal.append(b"one").expect("append");
+    rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(20), wal.durable(lsn))
+            .await
+            .expect("written on the writer's schedule")
+            .expect("durable");
+    });
+    for i in 0..100u32 {
+        wal.append(&i.to_le_bytes()).expect("append");
+    }
+    assert_eq!(wal.sync_all().expect("sync"), 101);
+    assert_eq!(wal.durable_lsn(), 101);
+    drop(wal);
+    let (wal, recovered) =
+        Wal::open(WalOptions::new(dir.path()), Arc::new(RealFs)).expect("reopen");
+    assert_eq!(recovered.last_lsn, 101);
+    drop(wal);
+
+    let bad = WalOptions {
+        write_every: Some(Duration::ZERO),
+        ..WalOptions::new(dir.path())
+    };
+    match Wal::open(bad, Arc::new(RealFs)) {
+        Err(allowance_wal::WalError::InvalidOption { field, .. }) => {
+            assert_eq!(field, "write_every")
+        }
+        other => panic!("a zero write_every is refused, got {:?}", other.map(|_| ())),
+    }
+}
