@@ -254,7 +254,7 @@ pub(crate) async fn adjust_total(h: Harness) {
 
     let st = h
         .store
-        .adjust(&t, Dimension::COST_MICROS, 1_000_000)
+        .adjust(&t, Dimension::COST_MICROS, 1_000_000, "conformance")
         .await
         .expect("a credit");
     assert_eq!(
@@ -271,7 +271,7 @@ pub(crate) async fn adjust_total(h: Harness) {
     h.hold("acme", &[], cost(1_000_000)).await;
 
     h.store
-        .adjust(&t, Dimension::COST_MICROS, -2_000_000)
+        .adjust(&t, Dimension::COST_MICROS, -2_000_000, "conformance")
         .await
         .expect("a debit");
     assert_eq!(
@@ -289,7 +289,12 @@ pub(crate) async fn adjust_total(h: Harness) {
     // A prepaid top-up on an unused budget: room beyond the capacity,
     // though no single request above the capacity.
     h.store
-        .adjust(&key("tenant:beta/task:t1"), Dimension::COST_MICROS, 500_000)
+        .adjust(
+            &key("tenant:beta/task:t1"),
+            Dimension::COST_MICROS,
+            500_000,
+            "conformance",
+        )
         .await
         .expect("a credit");
     assert_eq!(
@@ -305,7 +310,11 @@ pub(crate) async fn adjust_total(h: Harness) {
     assert_eq!(d.kind, DenialKind::ExceedsLimit);
 
     // Only a total limit takes an adjustment.
-    match h.store.adjust(&t, Dimension::TOKENS, 1_000).await {
+    match h
+        .store
+        .adjust(&t, Dimension::TOKENS, 1_000, "conformance")
+        .await
+    {
         Err(StoreError::Rejected(AdminError::NotFound(_))) => {}
         other => panic!("tokens have no total limit on {t}: expected not found, got {other:?}"),
     }

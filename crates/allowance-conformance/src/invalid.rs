@@ -186,14 +186,23 @@ pub(crate) async fn invalid_extend_and_adjust(h: Harness) {
     let tenant = key("tenant:acme");
     match h
         .store
-        .adjust(&tenant, Dimension::COST_MICROS, TOO_LARGE as i64)
+        .adjust(
+            &tenant,
+            Dimension::COST_MICROS,
+            TOO_LARGE as i64,
+            "conformance",
+        )
         .await
     {
         Err(StoreError::Rejected(AdminError::Invalid(i))) => assert_eq!(i.field, "amount"),
         other => panic!("an adjust above 2^53 should be invalid, got {other:?}"),
     }
     for bad in ["tenant:acme/team:x", "tenant:acme/tool:search", "agent:a1"] {
-        match h.store.adjust(&key(bad), Dimension::COST_MICROS, 1).await {
+        match h
+            .store
+            .adjust(&key(bad), Dimension::COST_MICROS, 1, "conformance")
+            .await
+        {
             Err(StoreError::Rejected(AdminError::Invalid(_))) => {}
             other => panic!("an adjust on {bad} should be invalid, got {other:?}"),
         }

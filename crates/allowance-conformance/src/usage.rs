@@ -71,7 +71,12 @@ pub(crate) async fn usage_log_records_every_end(h: Harness) {
     let late = h.settle(expiring, &usage(tokens(250))).await; // …and is settled late
     assert!(late.late);
     h.store
-        .adjust(&key("tenant:acme"), Dimension::COST_MICROS, -5_000)
+        .adjust(
+            &key("tenant:acme"),
+            Dimension::COST_MICROS,
+            -5_000,
+            "refund of a bad run",
+        )
         .await
         .expect("adjust");
 
@@ -111,6 +116,10 @@ pub(crate) async fn usage_log_records_every_end(h: Harness) {
     assert_eq!(
         (a.scope.to_string(), a.dimension, a.credit),
         ("tenant:acme".to_owned(), Dimension::COST_MICROS, -5_000)
+    );
+    assert_eq!(
+        a.reason, "refund of a bad run",
+        "the reason is the audit trail"
     );
     assert_eq!(all[4].event.tenant(), Some("acme"));
 

@@ -92,8 +92,9 @@ impl Store for Checked {
         scope: &ScopeKey,
         dimension: Dimension,
         credit: i64,
+        reason: &str,
     ) -> Result<ScopeStatus, StoreError<AdminError>> {
-        let a = self.inner.adjust(scope, dimension, credit).await;
+        let a = self.inner.adjust(scope, dimension, credit, reason).await;
         self.check(a)
     }
 

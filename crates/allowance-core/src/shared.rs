@@ -107,6 +107,8 @@ pub enum Committed<'a> {
         dimension: Dimension,
         /// Positive: a credit; negative: a debit.
         credit: i64,
+        /// Why (for the usage log).
+        reason: &'a str,
     },
     /// A configuration change (every shard's lock is held).
     Catalog(&'a crate::store::CatalogChange),
@@ -654,17 +656,19 @@ impl SharedLedger {
         dimension: Dimension,
         credit: i64,
     ) -> Result<ScopeStatus, AdminError> {
-        self.adjust_journaled(now, scope, dimension, credit, &NoJournal)
+        self.adjust_journaled(now, scope, dimension, credit, "", &NoJournal)
             .map(|(s, ())| s)
     }
 
-    /// [`SharedLedger::adjust`], journaling an accepted adjustment.
+    /// [`SharedLedger::adjust`], journaling an accepted adjustment and its
+    /// `reason` (the usage log's audit trail).
     pub fn adjust_journaled<J: Journal>(
         &self,
         now: Timestamp,
         scope: &ScopeKey,
         dimension: Dimension,
         credit: i64,
+        reason: &str,
         journal: &J,
     ) -> Result<(ScopeStatus, J::Ticket), AdminError> {
         let s = self.router.of_scope(scope);
@@ -680,6 +684,7 @@ impl SharedLedger {
                         scope: scope.clone(),
                         dimension,
                         credit,
+                        reason: reason.to_owned(),
                     }),
                 });
             }
@@ -689,6 +694,7 @@ impl SharedLedger {
                     scope,
                     dimension,
                     credit,
+                    reason,
                 },
                 &events,
             );

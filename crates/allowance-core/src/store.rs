@@ -197,12 +197,14 @@ pub trait Store: Send + Sync + 'static {
     async fn get(&self, id: ReservationId) -> Result<Option<Reservation>, Unavailable>;
     /// A scope's limits.
     async fn status(&self, scope: &ScopeKey) -> Result<ScopeStatus, Unavailable>;
-    /// An admin credit or debit on a scope's `total` limits.
+    /// An admin credit or debit on a scope's `total` limits; `reason` goes
+    /// to the usage log with it.
     async fn adjust(
         &self,
         scope: &ScopeKey,
         dimension: Dimension,
         credit: i64,
+        reason: &str,
     ) -> Result<ScopeStatus, StoreError<AdminError>>;
     /// The configuration in force.
     async fn catalog(&self) -> Result<Arc<Catalog>, Unavailable>;
@@ -379,9 +381,17 @@ impl Store for EmbeddedStore {
         scope: &ScopeKey,
         dimension: Dimension,
         credit: i64,
+        reason: &str,
     ) -> Result<ScopeStatus, StoreError<AdminError>> {
         self.ledger
-            .adjust_journaled(self.clock.now(), scope, dimension, credit, &self.journal())
+            .adjust_journaled(
+                self.clock.now(),
+                scope,
+                dimension,
+                credit,
+                reason,
+                &self.journal(),
+            )
             .map(|(s, ())| s)
             .map_err(StoreError::Rejected)
     }

@@ -46,6 +46,8 @@ pub struct Adjustment {
     pub dimension: Dimension,
     /// Positive: a credit (room grows); negative: a debit.
     pub credit: i64,
+    /// Why (the admin's words; empty when none was given).
+    pub reason: String,
 }
 
 /// One entry of the usage log.

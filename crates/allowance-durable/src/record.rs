@@ -51,6 +51,7 @@ pub(crate) enum RecordRef<'a> {
         scope: &'a ScopeKey,
         dimension: Dimension,
         credit: i64,
+        reason: &'a str,
     },
     Admin(&'a CatalogChange),
     /// Every shard observed `now` and reported its expiries.
@@ -88,6 +89,7 @@ pub(crate) enum Record {
         scope: ScopeKey,
         dimension: Dimension,
         credit: i64,
+        reason: String,
     },
     Admin(Box<CatalogChange>),
     Tick {
@@ -117,11 +119,13 @@ impl<'a> From<&Committed<'a>> for RecordRef<'a> {
                 scope,
                 dimension,
                 credit,
+                reason,
             } => RecordRef::Adjust {
                 now,
                 scope,
                 dimension,
                 credit,
+                reason,
             },
             Committed::Catalog(change) => RecordRef::Admin(change),
             Committed::Tick { now } => RecordRef::Tick { now },

@@ -432,10 +432,11 @@ impl Replayer {
                 scope,
                 dimension,
                 credit,
+                reason,
             } => {
                 if let Err(e) = self
                     .ledger
-                    .adjust_journaled(now, &scope, dimension, credit, &events)
+                    .adjust_journaled(now, &scope, dimension, credit, &reason, &events)
                 {
                     self.diverged(lsn, format!("adjust {scope} refused: {e}"));
                 }
@@ -858,6 +859,7 @@ impl Store for DurableStore {
         scope: &ScopeKey,
         dimension: Dimension,
         credit: i64,
+        reason: &str,
     ) -> Result<ScopeStatus, StoreError<AdminError>> {
         let live = self.inner.live()?;
         let (s, t) = live
@@ -867,6 +869,7 @@ impl Store for DurableStore {
                 scope,
                 dimension,
                 credit,
+                reason,
                 &WalJournal(&live),
             )
             .map_err(StoreError::Rejected)?;

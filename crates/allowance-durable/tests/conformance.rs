@@ -156,12 +156,13 @@ impl Store for Reopening {
         scope: &ScopeKey,
         dimension: Dimension,
         credit: i64,
+        reason: &str,
     ) -> Result<ScopeStatus, StoreError<AdminError>> {
         let a = self
             .store
             .read()
             .await
-            .adjust(scope, dimension, credit)
+            .adjust(scope, dimension, credit, reason)
             .await;
         self.check(a).await
     }

@@ -338,7 +338,7 @@ pub(crate) async fn scope_post(
             ));
         };
         let s = state
-            .call(state.store().adjust(&key, dim, body.amount.0))
+            .call(state.store().adjust(&key, dim, body.amount.0, &body.reason))
             .await?
             .map_err(|e| match e.into_api(state.now(), &catalog) {
                 // The scope exists (every scope does); what is missing is a
@@ -352,8 +352,8 @@ pub(crate) async fn scope_post(
                 ),
                 e => e,
             })?;
-        // The usage log carries the adjustment (an `adjusted` record); the
-        // reason is in this structured log line.
+        // The usage log carries the adjustment with its reason (an
+        // `adjusted` record); operators also see it in this log line.
         tracing::info!(scope = %key, dimension = %body.dimension, amount = body.amount.0,
             reason = %body.reason, "admin adjustment");
         Ok(("ok", axum::Json(ScopeStatusView::of(&s)).into_response()))

@@ -73,6 +73,9 @@ pub struct UsageRecordView<'a> {
     /// (adjustments only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub credit: Option<i64>,
+    /// Why the adjustment was made, as the admin gave it (adjustments only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<&'a str>,
 }
 
 impl<'a> UsageRecordView<'a> {
@@ -98,6 +101,7 @@ impl<'a> UsageRecordView<'a> {
             late: false,
             dimension: None,
             credit: None,
+            reason: None,
         };
         if let Some(r) = reservation {
             // The reservation object's own rendering, so amounts and names
@@ -115,6 +119,7 @@ impl<'a> UsageRecordView<'a> {
             view.scopes = vec![a.scope.as_str()];
             view.dimension = Some(catalog.dimension_name(a.dimension));
             view.credit = Some(a.credit);
+            view.reason = Some(&a.reason);
         }
         view
     }

@@ -251,7 +251,7 @@ async fn every_kind_of_record_as_exact_json_lines() {
         format!(
             r#"{{"cursor":"3","at":"2023-11-14T22:13:27.000Z","kind":"expired","reservation":"{expired}","tenant":"acme","scopes":["tenant:acme"],"model":null,"labels":{{}},"held":{{"requests":1,"concurrent":1,"output_tokens":7,"tokens":7}},"charged":null,"late":false}}"#
         ),
-        r#"{"cursor":"4","at":"2023-11-14T22:13:32.000Z","kind":"adjusted","reservation":null,"tenant":"acme","scopes":["tenant:acme/task:t1"],"model":null,"labels":null,"held":{},"charged":null,"late":false,"dimension":"cost_micros","credit":-5000}"#.to_string(),
+        r#"{"cursor":"4","at":"2023-11-14T22:13:32.000Z","kind":"adjusted","reservation":null,"tenant":"acme","scopes":["tenant:acme/task:t1"],"model":null,"labels":null,"held":{},"charged":null,"late":false,"dimension":"cost_micros","credit":-5000,"reason":"refund of a bad run"}"#.to_string(),
     ];
     let want: String = expected.iter().map(|l| format!("{l}\n")).collect();
     assert_eq!(a.text, want);
@@ -686,18 +686,20 @@ impl Store for NoUsage {
     {
         self.0.status(scope)
     }
-    fn adjust<'s, 'k, 'f>(
+    fn adjust<'s, 'k, 'r, 'f>(
         &'s self,
         scope: &'k ScopeKey,
         dimension: Dimension,
         credit: i64,
+        reason: &'r str,
     ) -> Fut<'f, Result<ScopeStatus, StoreError<AdminError>>>
     where
         's: 'f,
         'k: 'f,
+        'r: 'f,
         Self: 'f,
     {
-        self.0.adjust(scope, dimension, credit)
+        self.0.adjust(scope, dimension, credit, reason)
     }
     fn catalog<'s, 'f>(&'s self) -> Fut<'f, Result<Arc<Catalog>, Unavailable>>
     where
