@@ -40,23 +40,9 @@ start always $((BASE_PORT + 1)) "$data/always" always
 start batch $((BASE_PORT + 2)) "$data/batch" batch
 sleep 2
 
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
-TICKS=$(getconf CLK_TCK)
-
+. scripts/bench-lib.sh
 run() { # label port round
-  local pid before after pairs p99 errors total cpu_us
-  pid=$(eval echo "\$pid_$1")
-  before=$(cpu_ticks "$pid")
-  $BIN bench --server "http://127.0.0.1:$2" --scenario "$SCENARIO" --duration "$DURATION" \
-    --concurrency "$CONCURRENCY" 2>/dev/null >"$out/$1.$3"
-  after=$(cpu_ticks "$pid")
-  pairs=$(awk '/^  pairs/ {gsub(/[(\/s)]/, "", $3); print $3}' "$out/$1.$3")
-  total=$(awk '/^  pairs/ {print $2}' "$out/$1.$3")
-  p99=$(awk '/^  pair / {print $5}' "$out/$1.$3")
-  errors=$(awk '/^  errors/ {print $2}' "$out/$1.$3")
-  cpu_us=$(awk -v t=$((after - before)) -v hz="$TICKS" -v n="$total" 'BEGIN {printf "%.1f", t / hz * 1e6 / n}')
-  echo "$1 round $3: $pairs pairs/s, pair p99 $p99 ms, server CPU $cpu_us us/pair, errors $errors" >&2
-  echo "$pairs $p99 $cpu_us" >>"$out/$1.all"
+  bench_round "http://127.0.0.1:$2" "$1" "$3" "$(eval echo "\$pid_$1")"
 }
 
 order=(memory always batch)
@@ -68,7 +54,6 @@ for r in $(seq 1 "$ROUNDS"); do
   done
 done
 
-median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 echo
 echo "scenario $SCENARIO, concurrency $CONCURRENCY, $ROUNDS rounds of $DURATION (medians)"
 m=$(cut -d' ' -f1 "$out/memory.all" | median)

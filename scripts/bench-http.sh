@@ -29,26 +29,8 @@ $BIN bench-noop --listen 127.0.0.1:$NOOP_PORT 2>"$out/noop.log" &
 noop=$!
 sleep 1
 
-# CPU time (user + system, clock ticks) a process has used so far.
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
-TICKS=$(getconf CLK_TCK)
-
-run() { # url label round pid
-  local before after pairs p99 errors total cpu_us
-  before=$(cpu_ticks "$4")
-  $BIN bench --server "$1" --scenario "$SCENARIO" --duration "$DURATION" \
-    --concurrency "$CONCURRENCY" 2>/dev/null >"$out/$2.$3"
-  after=$(cpu_ticks "$4")
-  pairs=$(awk '/^  pairs/ {gsub(/[(\/s)]/, "", $3); print $3}' "$out/$2.$3")
-  total=$(awk '/^  pairs/ {print $2}' "$out/$2.$3")
-  p99=$(awk '/^  pair / {print $5}' "$out/$2.$3")
-  errors=$(awk '/^  errors/ {print $2}' "$out/$2.$3")
-  # Server CPU per pair: robust to a noisy machine, unlike wall throughput.
-  # (It includes the 1 s warm-up's pairs' CPU, a small overestimate for both.)
-  cpu_us=$(awk -v t=$((after - before)) -v hz="$TICKS" -v n="$total" 'BEGIN {printf "%.1f", t / hz * 1e6 / n}')
-  echo "$2 round $3: $pairs pairs/s, pair p99 $p99 ms, server CPU $cpu_us us/pair, errors $errors" >&2
-  echo "$pairs $p99 $cpu_us" >>"$out/$2.all"
-}
+. scripts/bench-lib.sh
+run() { bench_round "$@"; }
 
 for r in $(seq 1 "$ROUNDS"); do
   # Alternate which goes first, so drift in the machine's load hits both.
@@ -61,7 +43,6 @@ for r in $(seq 1 "$ROUNDS"); do
   fi
 done
 
-median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 a_tput=$(cut -d' ' -f1 "$out/allowance.all" | median)
 n_tput=$(cut -d' ' -f1 "$out/noop.all" | median)
 a_p99=$(cut -d' ' -f2 "$out/allowance.all" | median)
