@@ -133,7 +133,7 @@ pub trait Journal {
     /// been told to [`report_usage`](SharedLedger::report_usage).
     const USAGE: bool = false;
     /// Records one applied change and, if [`Journal::USAGE`], its usage events.
-    fn commit(&self, change: &Committed<'_>, usage: &[UsageEvent]) -> Self::Ticket;
+    fn commit(&self, change: &Committed<'_>, usage: Vec<UsageEvent>) -> Self::Ticket;
 }
 
 /// The journal of a ledger that keeps nothing (memory only): free.
@@ -143,7 +143,7 @@ pub struct NoJournal;
 impl Journal for NoJournal {
     type Ticket = ();
     #[inline(always)]
-    fn commit(&self, _change: &Committed<'_>, _usage: &[UsageEvent]) {}
+    fn commit(&self, _change: &Committed<'_>, _usage: Vec<UsageEvent>) {}
 }
 
 /// The expiries the locked shards reported since their last commit, as
@@ -289,7 +289,7 @@ impl SharedLedger {
         }
         *current = next;
         // A catalog change observes nothing: it reports no expiries.
-        Ok(journal.commit(&Committed::Catalog(change), &[]))
+        Ok(journal.commit(&Committed::Catalog(change), Vec::new()))
     }
 
     /// Turns on expiry reporting for the usage log (a store that keeps one
@@ -343,7 +343,7 @@ impl SharedLedger {
             &Committed::Tick {
                 now: Timestamp::from_millis(now),
             },
-            &events,
+            events,
         ))
     }
 
@@ -472,7 +472,7 @@ impl SharedLedger {
                             id,
                             req,
                         },
-                        &usage,
+                        usage,
                     ))
                 }
                 _ => None,
@@ -537,7 +537,7 @@ impl SharedLedger {
                     id,
                     usage,
                 },
-                &events,
+                events,
             );
             Ok((res, ticket))
         })
@@ -580,7 +580,7 @@ impl SharedLedger {
                     now: used_now(l),
                     id,
                 },
-                &events,
+                events,
             );
             Ok((res, ticket))
         })
@@ -631,7 +631,7 @@ impl SharedLedger {
                     amounts,
                     ttl_ms,
                 },
-                &events,
+                events,
             );
             Ok((l.res_at(i).clone(), ticket))
         })
@@ -696,7 +696,7 @@ impl SharedLedger {
                     credit,
                     reason,
                 },
-                &events,
+                events,
             );
             Ok((status, ticket))
         })

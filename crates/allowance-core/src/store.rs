@@ -245,7 +245,7 @@ impl Journal for UsageJournal<'_> {
     type Ticket = ();
     const USAGE: bool = true;
 
-    fn commit(&self, _change: &Committed<'_>, usage: &[UsageEvent]) {
+    fn commit(&self, _change: &Committed<'_>, usage: Vec<UsageEvent>) {
         if usage.is_empty() {
             return;
         }
@@ -256,10 +256,7 @@ impl Journal for UsageJournal<'_> {
             if log.records.len() == MEMORY_USAGE_RECORDS {
                 log.records.pop_front();
             }
-            log.records.push_back(UsageRecord {
-                cursor,
-                event: event.clone(),
-            });
+            log.records.push_back(UsageRecord { cursor, event });
         }
     }
 }

@@ -129,7 +129,7 @@ impl Journal for WalJournal<'_> {
     type Ticket = Result<Lsn, String>;
     const USAGE: bool = true;
 
-    fn commit(&self, change: &Committed<'_>, usage: &[UsageEvent]) -> Self::Ticket {
+    fn commit(&self, change: &Committed<'_>, usage: Vec<UsageEvent>) -> Self::Ticket {
         if let Committed::Catalog(c) = change {
             record::push_overlay(&mut self.0.overlay.lock(), c);
         }
@@ -139,7 +139,7 @@ impl Journal for WalJournal<'_> {
             .map_err(|e| format!("cannot encode the record: {e}"))?
             .map_err(|e| e.to_string())?;
         if !usage.is_empty() {
-            pending.push_back((lsn, usage.to_vec()));
+            pending.push_back((lsn, usage));
         }
         Ok(lsn)
     }
@@ -190,8 +190,8 @@ impl Journal for Collect {
     type Ticket = ();
     const USAGE: bool = true;
 
-    fn commit(&self, _change: &Committed<'_>, usage: &[UsageEvent]) {
-        self.0.borrow_mut().extend_from_slice(usage);
+    fn commit(&self, _change: &Committed<'_>, usage: Vec<UsageEvent>) {
+        self.0.borrow_mut().extend(usage);
     }
 }
 
