@@ -40,7 +40,7 @@ fn table_hash(h32: u32) -> u64 {
 }
 
 /// The records of one shard, by id.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct Records {
     hasher: RandomState,
     table: HashTable<Entry>,

@@ -33,7 +33,7 @@ pub(crate) const NO_SLOT: u32 = u32::MAX;
 /// recently (or have wide slices) pay for it. It stays allocated while the
 /// scope is busy and is trimmed when the scope is found idle, so a hot scope
 /// does not allocate on every reservation.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct Extra {
     /// Held amounts per dimension (implied dimensions are `held_count`).
     pub(crate) held: Amounts,
@@ -45,7 +45,7 @@ pub(crate) struct Extra {
 }
 
 /// One scope: its name, its windows' state words and its holds.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct ScopeState {
     /// Its canonical name: the scope index, holds and the idle-scope queue
     /// refer to the scope by slot, and find the name here.
@@ -526,7 +526,7 @@ pub(crate) struct HoldScope {
 }
 
 /// A hold of one reservation on the scopes of one shard.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct Hold {
     pub(crate) owner: ReservationId,
     /// Whether the reservation lives in another shard.
@@ -540,7 +540,7 @@ pub(crate) struct Hold {
 }
 
 /// A reservation as stored.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct Record {
     pub(crate) res: Reservation,
     /// Amounts as sent, for idempotent replays: kept only with an
@@ -555,7 +555,7 @@ pub(crate) struct Record {
 }
 
 /// Everything one shard owns.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct ShardState {
     /// Scope name → slot in `scopes` (the name itself lives in the scope's
     /// state): one hash per scope per operation; holds and the rest of the

@@ -233,16 +233,24 @@ impl SharedLedger {
         first: impl FnOnce(&mut [MutexGuard<'_, crate::shard::Shard>]) -> T,
         f: impl FnOnce() -> R,
     ) -> (T, R, LedgerSnapshot) {
-        let catalog = self.catalog.lock();
+        let catalog_guard = self.catalog.lock();
         let mut guards: Vec<MutexGuard<'_, _>> = self.shards.iter().map(|s| s.0.lock()).collect();
         let t = first(&mut guards);
         let r = f();
-        let mut w = Writer::new(&catalog);
-        let shards = guards.iter().map(|g| w.shard(&g.st)).collect();
+        // Under the locks only a plain copy of each shard (moves of words
+        // and reference counts); the snapshot's own form — names interned,
+        // maps flattened, references checked — is built after they are
+        // released, so the ledger pauses for the copy alone.
+        let catalog = Arc::clone(&catalog_guard);
+        let states: Vec<ShardState> = guards.iter().map(|g| g.st.clone()).collect();
         drop(guards);
+        drop(catalog_guard);
+        let mut w = Writer::new(&catalog);
+        let shards = states.iter().map(|st| w.shard(st)).collect();
+        drop(states);
         let snapshot = LedgerSnapshot {
             format: Format(SNAPSHOT_FORMAT),
-            catalog: (**catalog).clone(),
+            catalog: (*catalog).clone(),
             stale_plans: w.stale_plans,
             keys: w.keys,
             scope_sets: w.scope_sets,
