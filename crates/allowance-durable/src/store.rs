@@ -380,8 +380,7 @@ impl Replayer {
         }
     }
 
-    fn apply(&mut self, lsn: Lsn, bytes: &[u8]) -> Result<(), String> {
-        let rec = record::decode(bytes)?;
+    fn apply(&mut self, lsn: Lsn, rec: Record) -> Result<(), String> {
         let events = Collect::default();
         if self.base.is_none() && !matches!(rec, Record::Base(_)) {
             return Err(
@@ -469,6 +468,67 @@ impl Replayer {
     }
 }
 
+/// Decoded records handed from the reading thread to the applying one.
+const REPLAY_BATCH: usize = 1024;
+
+/// Replays the log after `after` into `replayer` on two threads: this one
+/// reads, checks and decodes the log, another applies the records through
+/// the engine (the larger part), so the two overlap. The order is kept: one
+/// reader, one applier, a FIFO between them.
+fn replay_pipelined(
+    wal: &Wal,
+    after: Lsn,
+    mut replayer: Replayer,
+    progress: impl FnMut(ReplayProgress),
+) -> Result<(u64, Replayer), OpenError> {
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<(Lsn, Record)>>(4);
+    std::thread::scope(|scope| {
+        let applier = scope.spawn(move || {
+            for batch in rx {
+                for (lsn, rec) in batch {
+                    replayer.apply(lsn, rec).map_err(|e| (lsn, e))?;
+                }
+            }
+            Ok::<Replayer, (Lsn, String)>(replayer)
+        });
+        let mut batch = Vec::with_capacity(REPLAY_BATCH);
+        let mut tx = Some(tx);
+        let read = wal.replay_with_progress(
+            after,
+            |lsn, bytes| {
+                batch.push((lsn, record::decode(bytes)?));
+                if batch.len() == REPLAY_BATCH {
+                    let full = std::mem::replace(&mut batch, Vec::with_capacity(REPLAY_BATCH));
+                    // A closed channel: the applier stopped on an error,
+                    // which its join reports.
+                    if tx.as_ref().is_none_or(|t| t.send(full).is_err()) {
+                        return Err("the replay stopped".to_owned());
+                    }
+                }
+                Ok(())
+            },
+            progress,
+        );
+        if read.is_ok()
+            && !batch.is_empty()
+            && let Some(t) = &tx
+        {
+            let _ = t.send(std::mem::take(&mut batch));
+        }
+        drop(tx.take());
+        let applied = applier.join().map_err(|_| WalError::Replay {
+            lsn: after,
+            message: "the replay's applying thread panicked".to_owned(),
+        })?;
+        match (read, applied) {
+            // An applier error is the cause of a reader stop: report it.
+            (_, Err((lsn, message))) => Err(WalError::Replay { lsn, message }.into()),
+            (Err(e), Ok(_)) => Err(e.into()),
+            (Ok(n), Ok(replayer)) => Ok((n, replayer)),
+        }
+    })
+}
+
 /// The blocking part of opening: returns the live ledger, the report, and
 /// an lsn to wait for before serving (a Base record written at start).
 fn recover(
@@ -526,7 +586,8 @@ fn recover(
             0,
         ),
     };
-    report.replayed = wal.replay_with_progress(after, |lsn, b| replayer.apply(lsn, b), progress)?;
+    let (replayed, replayer) = replay_pipelined(&wal, after, replayer, progress)?;
+    report.replayed = replayed;
     let Replayer {
         ledger,
         usage_wal,

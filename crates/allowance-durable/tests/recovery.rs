@@ -723,3 +723,55 @@ fn admin_changes_survive_and_win_over_the_file() {
         assert_eq!(store.status(&acme).await.expect("status").plan, "plus");
     });
 }
+
+/// A record that passes its checksum but does not decode (written by
+/// something else) stops start-up naming its lsn — the two-thread replay
+/// neither hangs nor panics on it, wherever it falls in a batch.
+#[test]
+fn an_undecodable_record_stops_start_up_with_its_lsn() {
+    let rt = runtime();
+    rt.block_on(async {
+        for garbage_after in [0u64, 5, 1500] {
+            let dir = tempfile::tempdir().expect("temp dir");
+            let clock = Arc::new(ManualClock::new(Timestamp::from_millis(START_MS)));
+            let ids = Arc::new(SeededIds::new(5));
+            let fs: Arc<dyn FileSystem> = Arc::new(RealFs);
+            let (store, _) = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
+                .await
+                .expect("open");
+            let catalog = catalogs::standard();
+            for i in 0..garbage_after {
+                let req = reserve_request(
+                    &catalog,
+                    &Op::Reserve {
+                        tenant: (i % 3) as usize,
+                        user: None,
+                        tool: false,
+                        tokens: 1,
+                        key: None,
+                        ttl_ms: Some(3_600_000),
+                        model: false,
+                    },
+                );
+                let id = store.reserve(&req).await.expect("reserve").id;
+                store.refund(id).await.expect("refund");
+            }
+            store.close().await.expect("close");
+            // A well-framed record (valid checksum) of nonsense.
+            let (wal, recovered) =
+                allowance_wal::Wal::open(allowance_wal::WalOptions::new(dir.path()), fs.clone())
+                    .expect("open the log");
+            let lsn = wal.append(&[1, 0xff, 0xff, 0xff]).expect("append");
+            assert_eq!(lsn, recovered.last_lsn + 1);
+            wal.close().expect("close the log");
+            let err = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
+                .await
+                .expect_err("an undecodable record stops start-up");
+            let message = err.to_string();
+            assert!(
+                message.contains(&format!("lsn {lsn}")) && message.contains("undecodable"),
+                "{message}"
+            );
+        }
+    });
+}
