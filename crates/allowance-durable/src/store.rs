@@ -544,7 +544,7 @@ fn recover(
         ..OpenReport::default()
     };
     let snapshot = wal.latest_snapshot()?;
-    let (mut replayer, after) = match snapshot {
+    let (replayer, after) = match snapshot {
         Some((lsn, bytes)) => {
             let bad = |message: String| OpenError::Snapshot {
                 lsn,
