@@ -130,6 +130,67 @@ macro_rules! case {
 }
 
 /// Every case, in a stable order.
+/// Calls `$m!(case, case, …)` with the name of every case, so a store's
+/// test file can make one `#[test]` per case (a failure then names it)
+/// without keeping its own copy of the list. `cases()` is the same list at
+/// run time; a test comparing the two keeps them in step:
+///
+/// ```text
+/// macro_rules! conformance { ($($case:ident),* $(,)?) => { $( #[tokio::test] async fn $case() { /* run_case(…, stringify!($case)) */ } )* } }
+/// allowance_conformance::every_case!(conformance);
+/// ```
+#[macro_export]
+macro_rules! every_case {
+    ($m:ident) => {
+        $m!(
+            reserve_settle_happy_path,
+            refund_happy_path,
+            settle_with_model_and_charges,
+            overrun_policies,
+            all_or_nothing,
+            seed_000_walkthrough,
+            rate_limited_sliding_usage,
+            rate_limited_by_holds,
+            rate_limited_bucket,
+            rate_limited_calendar,
+            rate_limited_concurrent,
+            rate_limited_total_holds,
+            budget_exhausted,
+            exceeds_limit,
+            denial_precedence,
+            settle_is_idempotent,
+            refund_is_idempotent,
+            refund_after_settle_conflicts,
+            settle_after_refund_conflicts,
+            refund_after_expiry_succeeds,
+            unknown_reservation,
+            late_settle_after_expiry,
+            extend_amounts_all_or_nothing,
+            extend_ttl,
+            extend_not_held,
+            expiry_observed_by_reads,
+            stats_count_held_and_expired,
+            usage_log_records_every_end,
+            idempotency_key_replays,
+            idempotency_key_conflicts,
+            denied_attempt_binds_no_key,
+            dry_run_changes_nothing,
+            dry_run_answers_like_reserve,
+            plan_change_keeps_history,
+            plan_change_keeps_live_promises,
+            override_and_clear,
+            adjust_total,
+            shared_scope_counts_everybody,
+            unused_scope_answers_its_plan,
+            invalid_reserve_changes_nothing,
+            invalid_settle_changes_nothing,
+            invalid_extend_and_adjust,
+            seed_002_race,
+            racing_settles_add_up,
+        );
+    };
+}
+
 pub fn cases() -> Vec<Case> {
     use catalogs::{race as race_catalog, seed_000, standard};
     vec![

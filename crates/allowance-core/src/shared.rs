@@ -59,7 +59,10 @@ impl From<&Reservation> for Outcome {
 /// the same instants, rebuilds the same state. `now` is the instant the
 /// operation used (the clock's reading, or later if a shard had already
 /// observed a later one), never the wall clock at replay.
-#[derive(Clone, Copy, Debug)]
+///
+/// It serializes (serde) as the record a write-ahead log keeps; a decoder
+/// mirrors its variants in this order.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
 pub enum Committed<'a> {
     /// A reserve that held something (not a dry run, not an idempotent repeat).
     Reserve {

@@ -1,11 +1,8 @@
 //! What one log record and one snapshot hold, and their encoding.
 //!
 //! A record is a version byte followed by the postcard encoding of
-//! [`Record`]. The writing side serializes [`RecordRef`], which borrows
-//! what the engine handed over; the two enums have the same variants in the
-//! same order with the same fields, so their encodings are the same (postcard
-//! writes a variant's index, then its fields in order, and a `&T` exactly as
-//! a `T`). A test pins that.
+//! [`RecordRef`] (the writer's, borrowing what the engine handed over),
+//! read back as [`Record`].
 
 use std::cell::RefCell;
 
@@ -19,51 +16,32 @@ use serde::{Deserialize, Serialize};
 /// version it does not know rather than guessing.
 pub const FORMAT_VERSION: u8 = 1;
 
-/// One logged change, as the writer sees it (borrowed).
+/// One logged record, as the writer sees it (borrowed): the change the
+/// engine committed is encoded as it is handed over ([`Committed`] derives
+/// `Serialize`), so there is no second description of it to keep in step.
 #[derive(Serialize)]
 pub(crate) enum RecordRef<'a> {
     /// The configuration file's catalog, logged when a log starts and
     /// whenever a start finds the file changed: replay resets the catalog to
     /// it, with the admin changes in force applied on top.
     Base(&'a Catalog),
-    Reserve {
-        now: Timestamp,
-        id: ReservationId,
-        req: &'a ReserveRequest,
-    },
-    Settle {
-        now: Timestamp,
-        id: ReservationId,
-        usage: &'a Usage,
-    },
-    Refund {
-        now: Timestamp,
-        id: ReservationId,
-    },
-    Extend {
-        now: Timestamp,
-        id: ReservationId,
-        amounts: Option<&'a Amounts>,
-        ttl_ms: Option<u64>,
-    },
-    Adjust {
-        now: Timestamp,
-        scope: &'a ScopeKey,
-        dimension: Dimension,
-        credit: i64,
-        reason: &'a str,
-    },
-    Admin(&'a CatalogChange),
-    /// Every shard observed `now` and reported its expiries.
-    Tick {
-        now: Timestamp,
-    },
+    /// A change the ledger applied.
+    Change(&'a Committed<'a>),
 }
 
-/// One logged change, as replay reads it (owned).
+/// One logged record, as replay reads it (owned).
 #[derive(Debug, Deserialize)]
 pub(crate) enum Record {
     Base(Box<Catalog>),
+    Change(Change),
+}
+
+/// [`Committed`], owned: the same variants in the same order with the same
+/// fields, so it decodes what `Committed` encoded (postcard writes a
+/// variant's index, then its fields in order, and a `&T` exactly as a `T`;
+/// `committed_changes_decode_as_written` below pins it).
+#[derive(Debug, Deserialize)]
+pub(crate) enum Change {
     Reserve {
         now: Timestamp,
         id: ReservationId,
@@ -97,58 +75,23 @@ pub(crate) enum Record {
     },
 }
 
-impl<'a> From<&Committed<'a>> for RecordRef<'a> {
-    fn from(c: &Committed<'a>) -> Self {
-        match *c {
-            Committed::Reserve { now, id, req } => RecordRef::Reserve { now, id, req },
-            Committed::Settle { now, id, usage } => RecordRef::Settle { now, id, usage },
-            Committed::Refund { now, id } => RecordRef::Refund { now, id },
-            Committed::Extend {
-                now,
-                id,
-                amounts,
-                ttl_ms,
-            } => RecordRef::Extend {
-                now,
-                id,
-                amounts,
-                ttl_ms,
-            },
-            Committed::Adjust {
-                now,
-                scope,
-                dimension,
-                credit,
-                reason,
-            } => RecordRef::Adjust {
-                now,
-                scope,
-                dimension,
-                credit,
-                reason,
-            },
-            Committed::Catalog(change) => RecordRef::Admin(change),
-            Committed::Tick { now } => RecordRef::Tick { now },
-        }
-    }
-}
-
 thread_local! {
     /// Each thread reuses one buffer: encoding a record allocates nothing
     /// once the buffer has grown to the largest record seen.
     static BUFFER: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Encodes `record` and hands the bytes to `f` (which appends them).
-pub(crate) fn with_encoded<R>(
-    record: &RecordRef<'_>,
+/// Encodes `value` (version byte first) and hands the bytes to `f`
+/// (which appends them to a log).
+pub(crate) fn with_encoded<T: Serialize + ?Sized, R>(
+    value: &T,
     f: impl FnOnce(&[u8]) -> R,
 ) -> Result<R, postcard::Error> {
     BUFFER.with(|b| {
         let mut buf = std::mem::take(&mut *b.borrow_mut());
         buf.clear();
         buf.push(FORMAT_VERSION);
-        postcard::to_extend(record, buf).map(|buf| {
+        postcard::to_extend(value, buf).map(|buf| {
             let r = f(&buf);
             *b.borrow_mut() = buf;
             r
@@ -253,19 +196,118 @@ pub(crate) fn decode_usage(bytes: &[u8]) -> Result<UsageEntry, String> {
     postcard::from_bytes(body).map_err(|e| format!("undecodable usage record: {e}"))
 }
 
-/// Encodes a usage entry and hands the bytes to `f`.
-pub(crate) fn with_encoded_usage<R>(
-    entry: &UsageEntryRef<'_>,
-    f: impl FnOnce(&[u8]) -> R,
-) -> Result<R, postcard::Error> {
-    BUFFER.with(|b| {
-        let mut buf = std::mem::take(&mut *b.borrow_mut());
-        buf.clear();
-        buf.push(FORMAT_VERSION);
-        postcard::to_extend(entry, buf).map(|buf| {
-            let r = f(&buf);
-            *b.borrow_mut() = buf;
-            r
-        })
-    })
+#[cfg(test)]
+mod tests {
+    use allowance_core::{Committed, Dimension, Override, ReservationId, Usage};
+
+    use super::*;
+
+    fn round_trip(change: &Committed<'_>) -> Change {
+        let bytes = with_encoded(&RecordRef::Change(change), <[u8]>::to_vec).expect("encode");
+        match decode(&bytes).expect("decode") {
+            Record::Change(c) => c,
+            Record::Base(_) => panic!("a change decoded as a base record"),
+        }
+    }
+
+    /// Every variant of `Committed` decodes as the `Change` of the same
+    /// name with the same fields: the two enums stay in step.
+    #[test]
+    fn committed_changes_decode_as_written() {
+        let catalog = allowance_conformance::catalogs::standard();
+        let scopes = catalog
+            .scope_set("acme", &[("user", "bob")])
+            .expect("scopes");
+        let scope = scopes.tenant().clone();
+        let mut req = ReserveRequest::new(scopes, Amounts::new().with(Dimension::TOKENS, 7));
+        req.idempotency_key = Some("k".into());
+        let id = ReservationId::mint(42, "acme");
+        let now = Timestamp::from_millis(1_000);
+        let usage = Usage {
+            amounts: Amounts::new().with(Dimension::TOKENS, 5),
+            ..Usage::default()
+        };
+        let amounts = Amounts::new().with(Dimension::TOKENS, 9);
+        let admin = CatalogChange::SetOverride(scope.clone(), Override::Plan("plus".into()));
+
+        match round_trip(&Committed::Reserve { now, id, req: &req }) {
+            Change::Reserve {
+                now: n,
+                id: i,
+                req: r,
+            } => {
+                assert_eq!((n, i), (now, id));
+                assert_eq!(
+                    (&r.amounts, &r.idempotency_key),
+                    (&req.amounts, &req.idempotency_key)
+                );
+                assert!(r.scopes.same_scopes(&req.scopes));
+            }
+            other => panic!("reserve decoded as {other:?}"),
+        }
+        match round_trip(&Committed::Settle {
+            now,
+            id,
+            usage: &usage,
+        }) {
+            Change::Settle {
+                now: n,
+                id: i,
+                usage: u,
+            } => assert_eq!((n, i, *u), (now, id, usage.clone())),
+            other => panic!("settle decoded as {other:?}"),
+        }
+        match round_trip(&Committed::Refund { now, id }) {
+            Change::Refund { now: n, id: i } => assert_eq!((n, i), (now, id)),
+            other => panic!("refund decoded as {other:?}"),
+        }
+        match round_trip(&Committed::Extend {
+            now,
+            id,
+            amounts: Some(&amounts),
+            ttl_ms: Some(60_000),
+        }) {
+            Change::Extend {
+                now: n,
+                id: i,
+                amounts: a,
+                ttl_ms: t,
+            } => {
+                assert_eq!((n, i, a, t), (now, id, Some(amounts.clone()), Some(60_000)));
+            }
+            other => panic!("extend decoded as {other:?}"),
+        }
+        let adjust = Committed::Adjust {
+            now,
+            scope: &scope,
+            dimension: Dimension::COST_MICROS,
+            credit: -3,
+            reason: "why",
+        };
+        match round_trip(&adjust) {
+            Change::Adjust {
+                now: n,
+                scope: s,
+                dimension: d,
+                credit: c,
+                reason: r,
+            } => {
+                assert_eq!(
+                    (n, s, d, c, r.as_str()),
+                    (now, scope.clone(), Dimension::COST_MICROS, -3, "why")
+                );
+            }
+            other => panic!("adjust decoded as {other:?}"),
+        }
+        match round_trip(&Committed::Catalog(&admin)) {
+            Change::Admin(c) => assert!(
+                matches!(*c, CatalogChange::SetOverride(ref s, Override::Plan(ref p)) if *s == scope && p == "plus")
+            ),
+            other => panic!("admin change decoded as {other:?}"),
+        }
+        match round_trip(&Committed::Tick { now }) {
+            Change::Tick { now: n } => assert_eq!(n, now),
+            other => panic!("tick decoded as {other:?}"),
+        }
+    }
 }

@@ -14,7 +14,7 @@ use allowance_wal::{FileSystem, Lsn, ReplayProgress, TornTail, Wal, WalError, Wa
 use async_trait::async_trait;
 use parking_lot::{Mutex, RwLock};
 
-use crate::record::{self, Record, RecordRef, SnapshotBody};
+use crate::record::{self, Change, Record, RecordRef, SnapshotBody};
 
 /// How a [`DurableStore`] keeps its data.
 #[derive(Clone, Debug)]
@@ -135,9 +135,10 @@ impl Journal for WalJournal<'_> {
         }
         // Held across the append, so the queue is in the main log's order.
         let mut pending = self.0.pending_usage.lock();
-        let lsn = record::with_encoded(&RecordRef::from(change), |bytes| self.0.wal.append(bytes))
-            .map_err(|e| format!("cannot encode the record: {e}"))?
-            .map_err(|e| e.to_string())?;
+        let lsn =
+            record::with_encoded(&RecordRef::Change(change), |bytes| self.0.wal.append(bytes))
+                .map_err(|e| format!("cannot encode the record: {e}"))?
+                .map_err(|e| e.to_string())?;
         if !usage.is_empty() {
             pending.push_back((lsn, usage));
         }
@@ -159,7 +160,7 @@ fn append_usage(
             index: u32::try_from(first_index + i).unwrap_or(u32::MAX),
             event,
         };
-        record::with_encoded_usage(&entry, |bytes| usage_wal.append(bytes))
+        record::with_encoded(&entry, |bytes| usage_wal.append(bytes))
             .map_err(|e| format!("cannot encode a usage record: {e}"))?
             .map_err(|e| format!("usage log: {e}"))?;
     }
@@ -168,8 +169,12 @@ fn append_usage(
 
 /// Moves the usage events of every durable main record into the usage log.
 fn flush_usage(live: &Live) -> Result<(), String> {
-    let durable = live.wal.durable_lsn();
     let mut pending = live.pending_usage.lock();
+    if pending.is_empty() {
+        // Most operations (reserves) have no events: spare the log's lock.
+        return Ok(());
+    }
+    let durable = live.wal.durable_lsn();
     while let Some((lsn, _)) = pending.front() {
         if *lsn > durable {
             break;
@@ -396,62 +401,64 @@ impl Replayer {
                 self.ledger.replace_catalog(next);
                 self.base = Some(*c);
             }
-            Record::Reserve { now, id, req } => {
-                match self.ledger.reserve_journaled(now, id, &req, &events).0 {
-                    Ok(g) if !g.replayed && !g.dry_run => {}
-                    Ok(_) => self.diverged(lsn, format!("reserve {id} answered a repeat")),
-                    Err(e) => self.diverged(lsn, format!("reserve {id} refused: {e}")),
+            Record::Change(ch) => match ch {
+                Change::Reserve { now, id, req } => {
+                    match self.ledger.reserve_journaled(now, id, &req, &events).0 {
+                        Ok(g) if !g.replayed && !g.dry_run => {}
+                        Ok(_) => self.diverged(lsn, format!("reserve {id} answered a repeat")),
+                        Err(e) => self.diverged(lsn, format!("reserve {id} refused: {e}")),
+                    }
                 }
-            }
-            Record::Settle { now, id, usage } => {
-                if let Err(e) = self.ledger.settle_journaled(now, id, &usage, &events) {
-                    self.diverged(lsn, format!("settle {id} refused: {e}"));
+                Change::Settle { now, id, usage } => {
+                    if let Err(e) = self.ledger.settle_journaled(now, id, &usage, &events) {
+                        self.diverged(lsn, format!("settle {id} refused: {e}"));
+                    }
                 }
-            }
-            Record::Refund { now, id } => {
-                if let Err(e) = self.ledger.refund_journaled(now, id, &events) {
-                    self.diverged(lsn, format!("refund {id} refused: {e}"));
+                Change::Refund { now, id } => {
+                    if let Err(e) = self.ledger.refund_journaled(now, id, &events) {
+                        self.diverged(lsn, format!("refund {id} refused: {e}"));
+                    }
                 }
-            }
-            Record::Extend {
-                now,
-                id,
-                amounts,
-                ttl_ms,
-            } => {
-                if let Err(e) =
-                    self.ledger
-                        .extend_journaled(now, id, amounts.as_ref(), ttl_ms, &events)
-                {
-                    self.diverged(lsn, format!("extend {id} refused: {e}"));
+                Change::Extend {
+                    now,
+                    id,
+                    amounts,
+                    ttl_ms,
+                } => {
+                    if let Err(e) =
+                        self.ledger
+                            .extend_journaled(now, id, amounts.as_ref(), ttl_ms, &events)
+                    {
+                        self.diverged(lsn, format!("extend {id} refused: {e}"));
+                    }
                 }
-            }
-            Record::Adjust {
-                now,
-                scope,
-                dimension,
-                credit,
-                reason,
-            } => {
-                if let Err(e) = self
-                    .ledger
-                    .adjust_journaled(now, &scope, dimension, credit, &reason, &events)
-                {
-                    self.diverged(lsn, format!("adjust {scope} refused: {e}"));
+                Change::Adjust {
+                    now,
+                    scope,
+                    dimension,
+                    credit,
+                    reason,
+                } => {
+                    if let Err(e) = self
+                        .ledger
+                        .adjust_journaled(now, &scope, dimension, credit, &reason, &events)
+                    {
+                        self.diverged(lsn, format!("adjust {scope} refused: {e}"));
+                    }
                 }
-            }
-            Record::Tick { now } => {
-                if self.ledger.tick_journaled(now, &events).is_none() {
-                    self.diverged(lsn, "a tick reported no expiry".to_owned());
+                Change::Tick { now } => {
+                    if self.ledger.tick_journaled(now, &events).is_none() {
+                        self.diverged(lsn, "a tick reported no expiry".to_owned());
+                    }
                 }
-            }
-            Record::Admin(change) => {
-                match self.ledger.update_catalog(|c| change.apply(c)) {
-                    Ok(()) => {}
-                    Err(e) => self.diverged(lsn, format!("{} refused: {e}", describe(&change))),
+                Change::Admin(change) => {
+                    match self.ledger.update_catalog(|c| change.apply(c)) {
+                        Ok(()) => {}
+                        Err(e) => self.diverged(lsn, format!("{} refused: {e}", describe(&change))),
+                    }
+                    record::push_overlay(&mut self.overlay, &change);
                 }
-                record::push_overlay(&mut self.overlay, &change);
-            }
+            },
         }
         // Events the usage log lacks (a crash came between the two logs'
         // writes) are appended now, in the order they first happened.
@@ -544,7 +551,9 @@ fn recover(
         ..OpenReport::default()
     };
     let snapshot = wal.latest_snapshot()?;
-    let (replayer, after) = match snapshot {
+    // Where replay starts: the latest snapshot, or an empty ledger on the
+    // configuration file (whose first record is then its Base).
+    let (ledger, base, overlay, after) = match snapshot {
         Some((lsn, bytes)) => {
             let bad = |message: String| OpenError::Snapshot {
                 lsn,
@@ -554,37 +563,25 @@ fn recover(
             let body = record::decode_snapshot(&bytes).map_err(bad)?;
             let ledger = SharedLedger::from_snapshot(body.ledger, inner.opts.shards)
                 .map_err(|e| bad(e.to_string()))?;
-            ledger.report_usage();
             report.snapshot_lsn = Some(lsn);
-            (
-                Replayer {
-                    ledger,
-                    usage_wal,
-                    usage_upto,
-                    base: Some(body.base),
-                    overlay: body.overlay,
-                    skipped: Vec::new(),
-                    divergences: Vec::new(),
-                },
-                lsn,
-            )
+            (ledger, Some(body.base), body.overlay, lsn)
         }
         None => (
-            Replayer {
-                ledger: {
-                    let l = SharedLedger::new((*inner.config).clone(), inner.opts.shards);
-                    l.report_usage();
-                    l
-                },
-                usage_wal,
-                usage_upto,
-                base: None,
-                overlay: Vec::new(),
-                skipped: Vec::new(),
-                divergences: Vec::new(),
-            },
+            SharedLedger::new((*inner.config).clone(), inner.opts.shards),
+            None,
+            Vec::new(),
             0,
         ),
+    };
+    ledger.report_usage();
+    let replayer = Replayer {
+        ledger,
+        usage_wal,
+        usage_upto,
+        base,
+        overlay,
+        skipped: Vec::new(),
+        divergences: Vec::new(),
     };
     let (replayed, replayer) = replay_pipelined(&wal, after, replayer, progress)?;
     report.replayed = replayed;

@@ -129,6 +129,22 @@ fn reserve_request(catalog: &Catalog, op: &Op) -> ReserveRequest {
     req
 }
 
+/// A reserve of `tokens` on one of the tenants only, held for an hour.
+fn tenant_only(catalog: &Catalog, i: u64, tokens: u64) -> ReserveRequest {
+    reserve_request(
+        catalog,
+        &Op::Reserve {
+            tenant: (i % 3) as usize,
+            user: None,
+            tool: false,
+            tokens,
+            key: None,
+            ttl_ms: Some(3_600_000),
+            model: false,
+        },
+    )
+}
+
 /// A store of the test's shape on `dir` through `fs`.
 async fn open_store(
     dir: &Path,
@@ -151,6 +167,30 @@ async fn open_store(
         |_| {},
     )
     .await
+}
+
+/// [`open_store`], waiting (up to 20 s) while the dir is still held: by a
+/// store being replaced, or by a snapshot finishing in the background after
+/// a store was dropped as a crash would drop it.
+async fn open_when_free(
+    dir: &Path,
+    fs: Arc<dyn FileSystem>,
+    shards: usize,
+    snapshot_every: u64,
+    clock: &Arc<ManualClock>,
+    ids: &Arc<SeededIds>,
+) -> Result<(DurableStore, OpenReport), OpenError> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        match open_store(dir, fs.clone(), shards, snapshot_every, clock, ids).await {
+            Err(OpenError::Wal(WalError::Locked { .. }))
+                if std::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(5)).await
+            }
+            other => return other,
+        }
+    }
 }
 
 /// Everything observable: every scope's limits and every reservation.
@@ -300,19 +340,12 @@ proptest! {
             // A reopen mid-history: `run` closes the old store first (one
             // process per data dir).
             let mut reopen = async || {
-                loop {
-                    match open_store(dir.path(), fs.clone(), shards, snapshot_every, &clock, &ids).await {
-                        Ok((s, report)) => {
-                            assert!(report.divergences.is_empty(), "{:?}", report.divergences);
-                            return s;
-                        }
-                        // The store being replaced still holds the dir.
-                        Err(OpenError::Wal(WalError::Locked { .. })) => {
-                            tokio::time::sleep(Duration::from_millis(5)).await
-                        }
-                        Err(e) => panic!("reopen: {e}"),
-                    }
-                }
+                let (s, report) =
+                    open_when_free(dir.path(), fs.clone(), shards, snapshot_every, &clock, &ids)
+                        .await
+                        .expect("reopen");
+                assert!(report.divergences.is_empty(), "{:?}", report.divergences);
+                s
             };
             let granted = run(&mut store, &ops, &mut reopen, &clock).await;
             let scopes = store.with_ledger(|l| l.known_scopes()).expect("serving");
@@ -500,17 +533,9 @@ fn faults_below_the_log_lose_nothing_acknowledged() {
         faulty.recover();
         // A snapshot still finishing in the background holds the dir a
         // moment longer (a real power loss would not wait for it).
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        let (store, report) = loop {
-            match open_store(dir.path(), fs.clone(), 4, 25, &clock, &ids).await {
-                Err(OpenError::Wal(WalError::Locked { .. }))
-                    if std::time::Instant::now() < deadline =>
-                {
-                    tokio::time::sleep(Duration::from_millis(5)).await
-                }
-                other => break other.expect("reopen after the power loss"),
-            }
-        };
+        let (store, report) = open_when_free(dir.path(), fs.clone(), 4, 25, &clock, &ids)
+            .await
+            .expect("reopen after the power loss");
         assert!(report.divergences.is_empty(), "{:?}", report.divergences);
         for (id, answer) in &acked.settled {
             let now = store
@@ -589,18 +614,7 @@ fn torn_tail_corruption_and_a_second_process() {
         );
         let mut ids_granted = Vec::new();
         for i in 0..20u64 {
-            let req = reserve_request(
-                &catalog,
-                &Op::Reserve {
-                    tenant: (i % 3) as usize,
-                    user: None,
-                    tool: false,
-                    tokens: 10 + i,
-                    key: None,
-                    ttl_ms: Some(3_600_000),
-                    model: false,
-                },
-            );
+            let req = tenant_only(&catalog, i, 10 + i);
             ids_granted.push(store.reserve(&req).await.expect("reserve").id);
         }
         store.close().await.expect("close");
@@ -741,18 +755,7 @@ fn an_undecodable_record_stops_start_up_with_its_lsn() {
                 .expect("open");
             let catalog = catalogs::standard();
             for i in 0..garbage_after {
-                let req = reserve_request(
-                    &catalog,
-                    &Op::Reserve {
-                        tenant: (i % 3) as usize,
-                        user: None,
-                        tool: false,
-                        tokens: 1,
-                        key: None,
-                        ttl_ms: Some(3_600_000),
-                        model: false,
-                    },
-                );
+                let req = tenant_only(&catalog, i, 1);
                 let id = store.reserve(&req).await.expect("reserve").id;
                 store.refund(id).await.expect("refund");
             }
