@@ -129,7 +129,6 @@ macro_rules! case {
     };
 }
 
-/// Every case, in a stable order.
 /// Calls `$m!(case, case, …)` with the name of every case, so a store's
 /// test file can make one `#[test]` per case (a failure then names it)
 /// without keeping its own copy of the list. `cases()` is the same list at
@@ -191,6 +190,7 @@ macro_rules! every_case {
     };
 }
 
+/// Every case, in a stable order.
 pub fn cases() -> Vec<Case> {
     use catalogs::{race as race_catalog, seed_000, standard};
     vec![
