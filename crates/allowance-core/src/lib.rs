@@ -83,7 +83,10 @@ pub use error::{
 pub use ledger::Ledger;
 pub use limit::{DEFAULT_SLICES, Limit, MAX_PERIOD_MS, MAX_SLICES, Window, WindowKind};
 pub use model::{ModelPrice, parse_price_micros};
-pub use ops::MAX_CHARGES;
+pub use ops::{
+    MAX_CHARGES, PreparedReserve, check_adjust, check_extend, extend_delta, prepare_reserve,
+    settle_charges,
+};
 pub use plan::{MAX_LIMITS_PER_PLAN, OverrunPolicy, Plan};
 pub use reservation::{
     Charge, Granted, Labels, LimitStatus, Remaining, Reservation, ReservationId, ReserveRequest,

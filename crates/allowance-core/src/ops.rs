@@ -447,67 +447,7 @@ impl<'a> Locked<'a> {
         let settings = catalog.settings();
 
         // 1. The request itself.
-        if req.scopes.len() > settings.max_scopes {
-            return Err(Invalid::new(
-                "scopes",
-                format!(
-                    "at most {} scopes per reservation, the tenant included",
-                    settings.max_scopes
-                ),
-            )
-            .into());
-        }
-        check_amounts(catalog, &req.amounts, "amounts")?;
-        let ttl_ms = req.ttl_ms.unwrap_or(settings.default_ttl_ms);
-        if ttl_ms == 0 || ttl_ms > settings.max_ttl_ms {
-            return Err(Invalid::new(
-                "ttl_ms",
-                format!("must be between 1 and {} ms", settings.max_ttl_ms),
-            )
-            .into());
-        }
-        if let Some(key) = &req.idempotency_key {
-            if req.dry_run {
-                return Err(
-                    Invalid::new("idempotency_key", "a dry run takes no idempotency key").into(),
-                );
-            }
-            if key.is_empty() || key.len() > MAX_IDEMPOTENCY_KEY_LEN {
-                return Err(Invalid::new(
-                    "idempotency_key",
-                    format!("must have 1 to {MAX_IDEMPOTENCY_KEY_LEN} characters"),
-                )
-                .into());
-            }
-        }
-        if let Some(labels) = &req.labels {
-            if labels.len() > settings.max_labels {
-                return Err(Invalid::new(
-                    "labels",
-                    format!("at most {} labels", settings.max_labels),
-                )
-                .into());
-            }
-            for (k, v) in labels.iter() {
-                if k.is_empty() || k.len() > MAX_LABEL_KEY_LEN || v.len() > MAX_LABEL_VALUE_LEN {
-                    return Err(Invalid::new(format!("labels.{k}"), format!("label keys have 1 to {MAX_LABEL_KEY_LEN} bytes, values at most {MAX_LABEL_VALUE_LEN}")).into());
-                }
-            }
-        }
-        let (held, unpriced) = derive(catalog, &req.amounts, req.model.as_deref(), 0);
-        if unpriced {
-            let limits_cost = req
-                .scopes
-                .as_slice()
-                .iter()
-                .any(|k| catalog.plan_for(k).limits_dimension(Dimension::COST_MICROS));
-            if limits_cost {
-                return Err(Invalid::new("model", format!(
-                    "model {:?} has no price, and a scope limits cost_micros: give cost_micros or price the model",
-                    req.model.as_deref().unwrap_or("")
-                )).into());
-            }
-        }
+        let PreparedReserve { held, ttl_ms } = prepare_reserve(catalog, req)?;
         // 2. Idempotency: a repeat answers the existing reservation.
         let idem = req
             .idempotency_key
@@ -703,9 +643,9 @@ impl<'a> Locked<'a> {
         let now = self.observe(now);
         let catalog = self.catalog;
         let ri = self.home().records.find(id).ok_or(SettleError::NotFound)?;
-        let (status, overrun, hold_slot) = {
+        let (status, hold_slot) = {
             let rec = self.home().records.at(ri);
-            (rec.res.status, rec.res.overrun, rec.hold_slot)
+            (rec.res.status, rec.hold_slot)
         };
         match status {
             Status::Settled => return Ok(ri),
@@ -713,62 +653,8 @@ impl<'a> Locked<'a> {
             Status::Held | Status::Expired => {}
         }
 
-        // 1. The usage.
-        check_amounts(catalog, &usage.amounts, "usage")?;
-        if usage.cached_input_tokens > MAX_AMOUNT {
-            return Err(Invalid::new(
-                "usage.cached_input_tokens",
-                "above the largest amount, 2^53",
-            )
-            .into());
-        }
-        if usage.charges.len() > MAX_CHARGES {
-            return Err(Invalid::new("charges", format!("at most {MAX_CHARGES} charges")).into());
-        }
-        for (i, c) in usage.charges.iter().enumerate() {
-            if c.name.is_empty() || c.name.len() > 64 {
-                return Err(Invalid::new(
-                    format!("charges[{i}].name"),
-                    "a charge name has 1 to 64 characters",
-                )
-                .into());
-            }
-            if c.cost_micros > MAX_AMOUNT {
-                return Err(Invalid::new(
-                    format!("charges[{i}].cost_micros"),
-                    "above the largest amount, 2^53",
-                )
-                .into());
-            }
-            check_amounts(catalog, &c.amounts, &format!("charges[{i}].amounts"))?;
-        }
-
-        // 2. What to record: the policy per dimension, tokens derived again,
-        //    then tool charges, never capped.
-        let mut charged = {
-            let res = &self.home().records.at(ri).res;
-            let (actual, _) = derive(
-                catalog,
-                &usage.amounts,
-                res.model.as_deref(),
-                usage.cached_input_tokens,
-            );
-            let held = &res.held;
-            actual.map_with(held, |a, h| overrun.charge(h, a))
-        };
-        if !usage.amounts.contains(Dimension::TOKENS) {
-            let t = charged
-                .get(Dimension::INPUT_TOKENS)
-                .saturating_add(charged.get(Dimension::OUTPUT_TOKENS));
-            charged.set(Dimension::TOKENS, t);
-        }
-        for c in &usage.charges {
-            let cost = charged
-                .get(Dimension::COST_MICROS)
-                .saturating_add(c.cost_micros);
-            charged.set(Dimension::COST_MICROS, cost);
-            charged.add(&c.amounts);
-        }
+        // 1. The usage, and 2. what to record.
+        let charged = settle_charges(catalog, &self.home().records.at(ri).res, usage)?;
 
         // 3. Nothing can fail past this point.
         if status == Status::Held {
@@ -838,22 +724,7 @@ impl<'a> Locked<'a> {
     ) -> Result<u32, ExtendError> {
         let now = self.observe(now);
         let catalog = self.catalog;
-        let settings = catalog.settings();
-        if amounts.is_none() && ttl_ms.is_none() {
-            return Err(Invalid::new("amounts", "extend needs amounts, ttl_ms or both").into());
-        }
-        if let Some(t) = ttl_ms
-            && (t == 0 || t > settings.max_ttl_ms)
-        {
-            return Err(Invalid::new(
-                "ttl_ms",
-                format!("must be between 1 and {} ms", settings.max_ttl_ms),
-            )
-            .into());
-        }
-        if let Some(a) = amounts {
-            check_amounts(catalog, a, "amounts")?;
-        }
+        check_extend(catalog, amounts, ttl_ms)?;
         let ri = self.home().records.find(id).ok_or(ExtendError::NotFound)?;
         let (status, model, scopes) = {
             let rec = self.home().records.at(ri);
@@ -866,10 +737,7 @@ impl<'a> Locked<'a> {
         if status != Status::Held {
             return Err(ExtendError::NotHeld { status });
         }
-        let delta = match amounts {
-            Some(a) => derive(catalog, a, model.as_deref(), 0).0,
-            None => Amounts::new(),
-        };
+        let delta = extend_delta(catalog, model.as_deref(), amounts);
         if !delta.is_empty() {
             let requested = |d: Dimension| if d.is_implied() { 0 } else { delta.get(d) };
             let mut slots = [NO_SLOT; MAX_SCOPES_LIMIT];
@@ -950,21 +818,7 @@ impl<'a> Locked<'a> {
     ) -> Result<ScopeStatus, AdminError> {
         let now = self.observe(now);
         let catalog = self.catalog;
-        catalog.check_scope(key)?;
-        if credit.unsigned_abs() > MAX_AMOUNT {
-            return Err(Invalid::new("amount", "above the largest amount, 2^53").into());
-        }
-        let plan = catalog.plan_for(key);
-        let has_total = plan
-            .limits()
-            .iter()
-            .any(|l| l.dimension() == dim && *l.window() == Window::Total);
-        if !has_total {
-            return Err(AdminError::NotFound(format!(
-                "a total limit on {} for {key}",
-                catalog.dimension_name(dim)
-            )));
-        }
+        check_adjust(catalog, key, dim, credit)?;
         let part = self.scope_part(key);
         let st = part.scope_mut(catalog, key, now);
         for li in 0..st.plan.limits().len() {
@@ -974,4 +828,229 @@ impl<'a> Locked<'a> {
         }
         Ok(self.status(Timestamp::from_millis(now), key))
     }
+}
+
+/// What a valid reserve request holds, and for how long: the checks every
+/// store makes before it looks at any state (so a store that keeps its
+/// state elsewhere, Redis, refuses exactly what the engine refuses).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PreparedReserve {
+    /// The amounts to hold: the request's, `tokens` and `cost_micros`
+    /// derived where it gave none.
+    pub held: Amounts,
+    /// The hold's lifetime (the request's, or the default).
+    pub ttl_ms: u64,
+}
+
+impl PreparedReserve {
+    /// What a reserve asks of `dim`: the held amount, or 1 for the implied
+    /// dimensions (`requests`, `concurrent`).
+    pub fn requested(&self, dim: Dimension) -> u64 {
+        if dim.is_implied() {
+            1
+        } else {
+            self.held.get(dim)
+        }
+    }
+}
+
+/// Checks a reserve request against the catalog's settings and derives
+/// what it holds; changes nothing.
+pub fn prepare_reserve(
+    catalog: &Catalog,
+    req: &ReserveRequest,
+) -> Result<PreparedReserve, ReserveError> {
+    let settings = catalog.settings();
+    if req.scopes.len() > settings.max_scopes {
+        return Err(Invalid::new(
+            "scopes",
+            format!(
+                "at most {} scopes per reservation, the tenant included",
+                settings.max_scopes
+            ),
+        )
+        .into());
+    }
+    check_amounts(catalog, &req.amounts, "amounts")?;
+    let ttl_ms = req.ttl_ms.unwrap_or(settings.default_ttl_ms);
+    if ttl_ms == 0 || ttl_ms > settings.max_ttl_ms {
+        return Err(Invalid::new(
+            "ttl_ms",
+            format!("must be between 1 and {} ms", settings.max_ttl_ms),
+        )
+        .into());
+    }
+    if let Some(key) = &req.idempotency_key {
+        if req.dry_run {
+            return Err(
+                Invalid::new("idempotency_key", "a dry run takes no idempotency key").into(),
+            );
+        }
+        if key.is_empty() || key.len() > MAX_IDEMPOTENCY_KEY_LEN {
+            return Err(Invalid::new(
+                "idempotency_key",
+                format!("must have 1 to {MAX_IDEMPOTENCY_KEY_LEN} characters"),
+            )
+            .into());
+        }
+    }
+    if let Some(labels) = &req.labels {
+        if labels.len() > settings.max_labels {
+            return Err(
+                Invalid::new("labels", format!("at most {} labels", settings.max_labels)).into(),
+            );
+        }
+        for (k, v) in labels.iter() {
+            if k.is_empty() || k.len() > MAX_LABEL_KEY_LEN || v.len() > MAX_LABEL_VALUE_LEN {
+                return Err(Invalid::new(
+                    format!("labels.{k}"),
+                    format!(
+                        "label keys have 1 to {MAX_LABEL_KEY_LEN} bytes, values at most {MAX_LABEL_VALUE_LEN}"
+                    ),
+                )
+                .into());
+            }
+        }
+    }
+    let (held, unpriced) = derive(catalog, &req.amounts, req.model.as_deref(), 0);
+    if unpriced {
+        let limits_cost = req
+            .scopes
+            .as_slice()
+            .iter()
+            .any(|k| catalog.plan_for(k).limits_dimension(Dimension::COST_MICROS));
+        if limits_cost {
+            return Err(Invalid::new(
+                "model",
+                format!(
+                    "model {:?} has no price, and a scope limits cost_micros: give cost_micros or price the model",
+                    req.model.as_deref().unwrap_or("")
+                ),
+            )
+            .into());
+        }
+    }
+    Ok(PreparedReserve { held, ttl_ms })
+}
+
+/// Checks a settle's usage and works out what it charges `res` (a HELD or
+/// EXPIRED reservation): the overrun policy per dimension, `tokens` derived
+/// again, then tool charges, never capped. Changes nothing.
+pub fn settle_charges(
+    catalog: &Catalog,
+    res: &Reservation,
+    usage: &Usage,
+) -> Result<Amounts, SettleError> {
+    check_amounts(catalog, &usage.amounts, "usage")?;
+    if usage.cached_input_tokens > MAX_AMOUNT {
+        return Err(Invalid::new(
+            "usage.cached_input_tokens",
+            "above the largest amount, 2^53",
+        )
+        .into());
+    }
+    if usage.charges.len() > MAX_CHARGES {
+        return Err(Invalid::new("charges", format!("at most {MAX_CHARGES} charges")).into());
+    }
+    for (i, c) in usage.charges.iter().enumerate() {
+        if c.name.is_empty() || c.name.len() > 64 {
+            return Err(Invalid::new(
+                format!("charges[{i}].name"),
+                "a charge name has 1 to 64 characters",
+            )
+            .into());
+        }
+        if c.cost_micros > MAX_AMOUNT {
+            return Err(Invalid::new(
+                format!("charges[{i}].cost_micros"),
+                "above the largest amount, 2^53",
+            )
+            .into());
+        }
+        check_amounts(catalog, &c.amounts, &format!("charges[{i}].amounts"))?;
+    }
+    let overrun = res.overrun;
+    let mut charged = {
+        let (actual, _) = derive(
+            catalog,
+            &usage.amounts,
+            res.model.as_deref(),
+            usage.cached_input_tokens,
+        );
+        actual.map_with(&res.held, |a, h| overrun.charge(h, a))
+    };
+    if !usage.amounts.contains(Dimension::TOKENS) {
+        let t = charged
+            .get(Dimension::INPUT_TOKENS)
+            .saturating_add(charged.get(Dimension::OUTPUT_TOKENS));
+        charged.set(Dimension::TOKENS, t);
+    }
+    for c in &usage.charges {
+        let cost = charged
+            .get(Dimension::COST_MICROS)
+            .saturating_add(c.cost_micros);
+        charged.set(Dimension::COST_MICROS, cost);
+        charged.add(&c.amounts);
+    }
+    Ok(charged)
+}
+
+/// Checks an extend's arguments; changes nothing.
+pub fn check_extend(
+    catalog: &Catalog,
+    amounts: Option<&Amounts>,
+    ttl_ms: Option<u64>,
+) -> Result<(), ExtendError> {
+    let settings = catalog.settings();
+    if amounts.is_none() && ttl_ms.is_none() {
+        return Err(Invalid::new("amounts", "extend needs amounts, ttl_ms or both").into());
+    }
+    if let Some(t) = ttl_ms
+        && (t == 0 || t > settings.max_ttl_ms)
+    {
+        return Err(Invalid::new(
+            "ttl_ms",
+            format!("must be between 1 and {} ms", settings.max_ttl_ms),
+        )
+        .into());
+    }
+    if let Some(a) = amounts {
+        check_amounts(catalog, a, "amounts")?;
+    }
+    Ok(())
+}
+
+/// What an extend adds to a reservation on `model`: `amounts` with
+/// `tokens` and `cost_micros` derived where absent (nothing without amounts).
+pub fn extend_delta(catalog: &Catalog, model: Option<&str>, amounts: Option<&Amounts>) -> Amounts {
+    match amounts {
+        Some(a) => derive(catalog, a, model, 0).0,
+        None => Amounts::new(),
+    }
+}
+
+/// Checks an admin adjustment: a known scope, an amount in range, and a
+/// `total` limit on `dim` to adjust. Changes nothing.
+pub fn check_adjust(
+    catalog: &Catalog,
+    key: &ScopeKey,
+    dim: Dimension,
+    credit: i64,
+) -> Result<(), AdminError> {
+    catalog.check_scope(key)?;
+    if credit.unsigned_abs() > MAX_AMOUNT {
+        return Err(Invalid::new("amount", "above the largest amount, 2^53").into());
+    }
+    let has_total = catalog
+        .plan_for(key)
+        .limits()
+        .iter()
+        .any(|l| l.dimension() == dim && *l.window() == Window::Total);
+    if !has_total {
+        return Err(AdminError::NotFound(format!(
+            "a total limit on {} for {key}",
+            catalog.dimension_name(dim)
+        )));
+    }
+    Ok(())
 }

@@ -296,7 +296,7 @@ impl ScopeSet {
     /// [`MAX_SCOPES_LIMIT`] keys, a tenant scope first, then scopes of that
     /// tenant or shared ones, no repeats. The engine routes and locks by this
     /// shape, so a set read from outside is built only through here.
-    pub(crate) fn from_keys(keys: Vec<ScopeKey>) -> Result<ScopeSet, Invalid> {
+    pub fn from_keys(keys: Vec<ScopeKey>) -> Result<ScopeSet, Invalid> {
         let bad = |why: String| Err(Invalid::new("scopes", why));
         let Some(tenant) = keys.first() else {
             return bad("no scopes: the tenant scope comes first".into());

@@ -1,0 +1,666 @@
+-- allowance: the ledger's rules as one Redis script (SEMANTICS.md).
+--
+-- One script, one round trip per operation: ARGV[1] is a MessagePack map
+-- built by the Rust store (src/wire.rs), the reply a MessagePack map. Every
+-- operation checks everything first and writes only once nothing can fail;
+-- a refusal writes nothing but the expiries it observed (which any
+-- operation would have written).
+--
+-- Arithmetic: Lua numbers are doubles, exact for integers up to 2^53, the
+-- engine's largest amount. Amounts and window states are kept inside
+-- MessagePack blobs (exact integers), never formatted by tostring (14
+-- digits). A bucket's deficit is kept as (u, f): u·period + f with
+-- 0 ≤ f < period, so refills and retry times stay exact integers.
+--
+-- Keys (B = prefix .. "{t<tenant tag, 2 hex>}", SB = B, or
+-- prefix .. "{s:<name>}" for a shared scope):
+--   B:r:<id>      a reservation record (MessagePack)
+--   B:x           zset: HELD reservations by expiry
+--   B:d           zset: ended reservations by the instant they are forgotten
+--   B:i:<tenant>\n<key>  an idempotency key -> reservation id
+--   B:n           hash: held (HELD reservations), expired (ever)
+--   SB:s:<scope>  a scope: {at, hc, h = held per dimension, l = windows}
+--   SB:h:<scope>  zset: the scope's HELD reservations by expiry
+--   prefix..cat   list: the catalog's admin changes (its length: the version)
+--   prefix..u     stream: the usage log
+
+local req = cmsgpack.unpack(ARGV[1])
+local P = req.p
+
+local now
+if req.now then
+  now = req.now
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function I(n) return string.format('%d', n) end
+local pack, unpack = cmsgpack.pack, cmsgpack.unpack
+local floor, max, min = math.floor, math.max, math.min
+
+local function reply(t) return pack(t) end
+
+-- a·b = q·m + r (0 ≤ r < m), exact while q < 2^53 (larger q only saturate).
+local TWO53 = 9007199254740992
+local function divmod(p, m)
+  local q = floor(p / m)
+  local r = p - q * m
+  if r < 0 then q = q - 1; r = r + m elseif r >= m then q = q + 1; r = r - m end
+  return q, r
+end
+local function mulmod_small(a, b, m)
+  -- a, b < m < 2^52: shift-and-add keeps every value below 2m.
+  local bits = {}
+  while b > 0 do
+    local bit = b % 2
+    bits[#bits + 1] = bit
+    b = (b - bit) / 2
+  end
+  local q, r = 0, 0
+  for i = #bits, 1, -1 do
+    q = q * 2; r = r * 2
+    if r >= m then r = r - m; q = q + 1 end
+    if bits[i] == 1 then
+      r = r + a
+      if r >= m then r = r - m; q = q + 1 end
+    end
+  end
+  return q, r
+end
+local function muldivmod(a, b, m)
+  if a == 0 or b == 0 then return 0, 0 end
+  local p = a * b
+  if p < TWO53 then return divmod(p, m) end
+  local a1, a0 = divmod(a, m)
+  local b1, b0 = divmod(b, m)
+  local q0, r0
+  if a0 * b0 < TWO53 then q0, r0 = divmod(a0 * b0, m) else q0, r0 = mulmod_small(a0, b0, m) end
+  return a1 * b1 * m + a1 * b0 + a0 * b1 + q0, r0
+end
+-- ⌈(a·b + c) / m⌉ with c < m·2^20.
+local function ceil_muladd_div(a, b, c, m)
+  local q, r = muldivmod(a, b, m)
+  local q2, r2 = divmod(r + c, m)
+  q = q + q2
+  if r2 > 0 then q = q + 1 end
+  return q
+end
+
+-- Windows ------------------------------------------------------------------
+
+local function fresh(L)
+  local k = L.k
+  if k == 's' then return {k = 's', w = L.w, n = L.n, t = 0, s = {}}
+  elseif k == 'b' then return {k = 'b', P = L.P, C = L.c, u = 0, f = 0}
+  elseif k == 'c' then return {k = 'c', e = L.ce, u = 0}
+  elseif k == 't' then return {k = 't', u = 0}
+  end
+  return {k = 'n'}
+end
+
+local function advance(st, L, from, to)
+  local k = st.k
+  if k == 's' then
+    local cur = floor(to / st.w)
+    if st.lc == cur then return end
+    st.lc = cur
+    local oldest = cur - st.n
+    for slice, v in pairs(st.s) do
+      if slice <= oldest then st.s[slice] = nil; st.t = st.t - v end
+    end
+  elseif k == 'b' then
+    st.C = L.c
+    if (st.u > 0 or st.f > 0) and to > from then
+      local q, r = muldivmod(st.C, to - from, st.P)
+      if q > st.u or (q == st.u and r >= st.f) then
+        st.u, st.f = 0, 0
+      else
+        local u, f = st.u - q, st.f - r
+        if f < 0 then f = f + st.P; u = u - 1 end
+        st.u, st.f = u, f
+      end
+    end
+  elseif k == 'c' then
+    if to >= st.e then st.u = 0; st.e = L.ce end
+  end
+end
+
+local function used(st)
+  local k = st.k
+  if k == 's' then return st.t
+  elseif k == 'b' then if st.f > 0 then return st.u + 1 end return st.u
+  elseif k == 'c' or k == 't' then return st.u
+  end
+  return 0
+end
+
+local function record(st, amount)
+  if amount == 0 then return end
+  local k = st.k
+  if k == 's' then
+    local cur = floor(now / st.w)
+    st.s[cur] = (st.s[cur] or 0) + amount
+    st.t = st.t + amount
+  elseif k == 'b' or k == 'c' or k == 't' then
+    st.u = st.u + amount
+  end
+end
+
+local function sorted_slices(st, from, to)
+  local ks = {}
+  for slice, v in pairs(st.s) do
+    if slice >= from and slice <= to and v > 0 then ks[#ks + 1] = slice end
+  end
+  table.sort(ks)
+  return ks
+end
+
+-- ms from now until usage alone falls to `target` (nil: never by itself).
+local function ms_until(st, target)
+  local k = st.k
+  if k == 's' then
+    local w, n = st.w, st.n
+    local cur = floor(now / w)
+    local left = st.t
+    for _, slice in ipairs(sorted_slices(st, cur + 1 - n, cur)) do
+      left = left - st.s[slice]
+      if left <= target then return max((slice + n) * w - now, 0) end
+    end
+    return max((cur + n) * w - now, 0)
+  elseif k == 'b' then
+    -- deficit − target·P = (u − target)·P + f
+    return ceil_muladd_div(st.u - target, st.P, st.f, st.C)
+  elseif k == 'c' then
+    return max(st.e - now, 0)
+  end
+  return nil
+end
+
+local function resets_at(st)
+  local k = st.k
+  if k == 's' then
+    if st.t == 0 then return nil end
+    local cur = floor(now / st.w)
+    local ks = sorted_slices(st, cur + 1 - st.n, cur)
+    if #ks == 0 then return nil end
+    return (ks[1] + st.n) * st.w
+  elseif k == 'b' then
+    if st.u == 0 and st.f == 0 then return nil end
+    return now + ceil_muladd_div(st.u, st.P, st.f, st.C)
+  elseif k == 'c' then
+    return st.e
+  end
+  return nil
+end
+
+-- When the window holds nothing if nothing new happens (false: never).
+local function empty_at(st)
+  local k = st.k
+  if k == 's' then
+    if st.t == 0 then return now end
+    local cur = floor(now / st.w)
+    local ks = sorted_slices(st, cur + 1 - st.n, cur)
+    if #ks == 0 then return now end
+    return (ks[#ks] + st.n) * st.w
+  elseif k == 'b' then
+    return resets_at(st) or now
+  elseif k == 'c' then
+    if st.u == 0 then return now end
+    return st.e
+  elseif k == 't' then
+    if st.u == 0 then return now end
+    return false
+  end
+  return now
+end
+
+-- Scopes -------------------------------------------------------------------
+
+local function has_any(t)
+  for _, v in pairs(t) do if v ~= 0 then return true end end
+  return false
+end
+
+-- Stores a scope; one that holds nothing and whose windows are empty is
+-- dropped, and an idle one expires when its windows will be empty (with
+-- the server's clock only: under an injected clock keys never expire).
+local function store_scope(key, S)
+  if S.hc == 0 and not has_any(S.h) then
+    local at = now
+    for _, st in pairs(S.l) do
+      local e = empty_at(st)
+      if e == false then at = false; break end
+      at = max(at, e)
+    end
+    if at ~= false and at <= now then
+      redis.call('DEL', key)
+      return
+    end
+    if at ~= false and not req.now then
+      redis.call('SET', key, pack(S), 'PX', I(at - now + 1000))
+      return
+    end
+  end
+  redis.call('SET', key, pack(S))
+end
+
+local function empty_scope()
+  return {at = now, hc = 0, h = {}, l = {}}
+end
+
+-- A scope's state with its windows for `lims` (the current plan's limits,
+-- from the Rust side), advanced to now. Windows of limits no longer in the
+-- plan are dropped when it is stored; those whose dimension and window stay
+-- keep their history (the limit's id names both).
+local function load_scope(sc)
+  local key = sc.b .. ':s:' .. sc.n
+  local raw = redis.call('GET', key)
+  local S
+  if raw then S = unpack(raw) else S = empty_scope() end
+  local states = {}
+  local from = S.at
+  for i, L in ipairs(sc.lims) do
+    local st = S.l[L.id]
+    if st == nil then st = fresh(L) end
+    advance(st, L, from, now)
+    states[i] = st
+  end
+  if now > S.at then S.at = now end
+  return {S = S, states = states, key = key, hkey = sc.b .. ':h:' .. sc.n, lims = sc.lims}
+end
+
+local function save_scope(x)
+  local l = {}
+  for i, L in ipairs(x.lims) do
+    if L.k ~= 'n' then l[L.id] = x.states[i] end
+  end
+  x.S.l = l
+  store_scope(x.key, x.S)
+end
+
+local function held_of(S, L)
+  if L.im then return S.hc end
+  return S.h[L.d] or 0
+end
+
+local function earliest(hkey)
+  local e = redis.call('ZRANGE', hkey, 0, 0, 'WITHSCORES')
+  if e[2] then return tonumber(e[2]) end
+  return nil
+end
+
+local function add_map(a, b, sign)
+  for d, v in pairs(b) do
+    local n = (a[d] or 0) + sign * v
+    if n == 0 then a[d] = nil else a[d] = n end
+  end
+end
+
+-- Records and expiry ---------------------------------------------------------
+
+local function base_of(id)
+  return P .. '{t' .. string.sub(id, -2) .. '}'
+end
+
+local function usage_event(kind, at, rec)
+  redis.call('XADD', P .. 'u', 'MAXLEN', '~', I(req.um), '*', 'k', kind, 'at', I(at), 'r', pack(rec))
+end
+
+-- Queues an ended reservation to be forgotten after its retention.
+local function schedule_drop(base, rec, from)
+  local keep = req.re
+  if rec.ik then keep = max(req.re, req.ri) end
+  rec.da = from + keep
+  redis.call('ZADD', base .. ':d', I(rec.da), rec.id)
+end
+
+-- Releases a HELD reservation's hold on every scope (its windows untouched).
+local function release(rec)
+  for i, name in ipairs(rec.sc) do
+    local sb = rec.sb[i]
+    local key = sb .. ':s:' .. name
+    local raw = redis.call('GET', key)
+    if raw then
+      local S = unpack(raw)
+      S.hc = S.hc - 1
+      add_map(S.h, rec.h, -1)
+      store_scope(key, S)
+    end
+    redis.call('ZREM', sb .. ':h:' .. name, rec.id)
+  end
+end
+
+local function expire(rec, base)
+  release(rec)
+  rec.st = 'expired'
+  rec.e = rec.x
+  -- Retention counts from the expiry itself, as in the engine.
+  schedule_drop(base, rec, rec.x)
+  redis.call('SET', base .. ':r:' .. rec.id, pack(rec))
+  redis.call('ZREM', base .. ':x', rec.id)
+  redis.call('HINCRBY', base .. ':n', 'held', -1)
+  redis.call('HINCRBY', base .. ':n', 'expired', 1)
+  usage_event('expired', rec.x, rec)
+end
+
+local function expire_id(id)
+  local base = base_of(id)
+  local raw = redis.call('GET', base .. ':r:' .. id)
+  if not raw then
+    redis.call('ZREM', base .. ':x', id)
+    return
+  end
+  local rec = unpack(raw)
+  if rec.st == 'held' and rec.x <= now then expire(rec, base) end
+end
+
+-- Expires what is due in one tenant group, and forgets what is past its
+-- retention (at most `limit` of each: the sweeper takes the rest).
+local function observe_tag(base, limit)
+  local due = redis.call('ZRANGEBYSCORE', base .. ':x', '-inf', I(now), 'LIMIT', 0, limit)
+  for _, id in ipairs(due) do expire_id(id) end
+  local gone = redis.call('ZRANGEBYSCORE', base .. ':d', '-inf', I(now), 'LIMIT', 0, limit)
+  for _, id in ipairs(gone) do
+    local rkey = base .. ':r:' .. id
+    local raw = redis.call('GET', rkey)
+    if raw then
+      local rec = unpack(raw)
+      if rec.st ~= 'held' then
+        redis.call('DEL', rkey)
+        if rec.ik then
+          local ikey = base .. ':i:' .. rec.tn .. '\n' .. rec.ik
+          if redis.call('GET', ikey) == id then redis.call('DEL', ikey) end
+        end
+      end
+    end
+    redis.call('ZREM', base .. ':d', id)
+  end
+  return #due
+end
+
+-- Every hold on a scope that is due expires before the scope is read.
+local function observe_scope(sc)
+  local due = redis.call('ZRANGEBYSCORE', sc.b .. ':h:' .. sc.n, '-inf', I(now))
+  for _, id in ipairs(due) do expire_id(id) end
+end
+
+-- A record, its expiry observed.
+local function load_record(base, id)
+  local raw = redis.call('GET', base .. ':r:' .. id)
+  if not raw then return nil end
+  local rec = unpack(raw)
+  if rec.st == 'held' and rec.x <= now then expire(rec, base) end
+  return rec
+end
+
+-- Checks -------------------------------------------------------------------
+
+local RANK = {rate = 0, budget = 1, exceeds = 2}
+
+local function beats(c, b)
+  if RANK[c.kind] ~= RANK[b.kind] then return RANK[c.kind] > RANK[b.kind] end
+  return c.kind == 'rate' and (c.ra or -1) > (b.ra or -1)
+end
+
+-- The binding denial among every limit of every scope (nil: all fit).
+-- With only_positive, limits asked for nothing are skipped (an extend).
+local function check(scopes, only_positive)
+  local best
+  for si, x in ipairs(scopes) do
+    for li, L in ipairs(x.lims) do
+      local q = L.q or 0
+      if not (only_positive and q == 0) then
+        local held = held_of(x.S, L)
+        local st = x.states[li]
+        local u = used(st)
+        local room = L.c - u - held
+        if q > room then
+          local e = earliest(x.hkey)
+          local kind, ra
+          if q > L.c then
+            kind = 'exceeds'
+          elseif held <= L.c and q <= L.c - held then
+            local ms = ms_until(st, L.c - held - q)
+            if ms then kind = 'rate'; ra = max(ms, 1) else kind = 'budget' end
+          else
+            kind = 'rate'
+            if e then ra = max(e - now, 1) else ra = 1 end
+          end
+          local rs
+          if L.k == 'n' then rs = e else rs = resets_at(st) end
+          local c = {kind = kind, ra = ra, s = si, l = li, cap = L.c, rem = room, q = q, rs = rs}
+          if best == nil or beats(c, best) then best = c end
+        end
+      end
+    end
+  end
+  return best
+end
+
+-- Every limit's use, hold and reset, scope by scope.
+local function report(scopes)
+  local out = {}
+  for si, x in ipairs(scopes) do
+    local e = earliest(x.hkey)
+    local ls = {}
+    for li, L in ipairs(x.lims) do
+      local st = x.states[li]
+      local rs
+      if L.k == 'n' then rs = e else rs = resets_at(st) end
+      ls[li] = {u = used(st), h = held_of(x.S, L), r = rs}
+    end
+    out[si] = ls
+  end
+  return out
+end
+
+-- Calendar bounds come from the Rust side (it knows the zones): they must
+-- hold `now`, or it asks again with the server's instant.
+local function calendars_hold(scopes)
+  for _, sc in ipairs(scopes) do
+    for _, L in ipairs(sc.lims) do
+      if L.k == 'c' and not (L.cs <= now and now < L.ce) then return false end
+    end
+  end
+  return true
+end
+
+-- Operations ---------------------------------------------------------------
+
+local ops = {}
+
+function ops.reserve()
+  if not calendars_hold(req.scopes) then return reply({t = 'cal', now = now}) end
+  local base = req.b
+  observe_tag(base, 64)
+  local ikey
+  if req.ik then
+    ikey = base .. ':i:' .. req.tn .. '\n' .. req.ik
+    local rid = redis.call('GET', ikey)
+    if rid then
+      local rec = load_record(base, rid)
+      if rec and not (rec.e and now >= rec.e + req.ri) then
+        if rec.fp ~= req.fp then return reply({t = 'idem'}) end
+        return reply({t = 'ok', replay = true, rec = rec})
+      end
+    end
+  end
+  if redis.call('EXISTS', base .. ':r:' .. req.id) == 1 then return reply({t = 'dup'}) end
+  for _, sc in ipairs(req.scopes) do observe_scope(sc) end
+  local scopes = {}
+  for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
+  local denial = check(scopes, false)
+  if denial then return reply({t = 'deny', d = denial}) end
+  local x = now + req.ttl
+  if req.dry then
+    return reply({t = 'ok', dry = true, now = now, x = x, rem = report(scopes)})
+  end
+  for _, s in ipairs(scopes) do
+    s.S.hc = s.S.hc + 1
+    add_map(s.S.h, req.h, 1)
+    redis.call('ZADD', s.hkey, I(x), req.id)
+    save_scope(s)
+  end
+  local rec = req.rec
+  rec.st = 'held'
+  rec.cr = now
+  rec.x = x
+  rec.v = 1
+  redis.call('SET', base .. ':r:' .. req.id, pack(rec))
+  redis.call('ZADD', base .. ':x', I(x), req.id)
+  redis.call('HINCRBY', base .. ':n', 'held', 1)
+  if ikey then redis.call('SET', ikey, req.id) end
+  local rem
+  if req.rr then rem = report(scopes) end
+  return reply({t = 'ok', rec = rec, rem = rem})
+end
+
+function ops.settle()
+  local base = req.b
+  if not calendars_hold(req.scopes) then return reply({t = 'cal', now = now}) end
+  observe_tag(base, 64)
+  local rec = load_record(base, req.id)
+  if not rec then return reply({t = 'nf'}) end
+  if rec.st == 'settled' then return reply({t = 'ok', rec = rec}) end
+  if rec.st == 'refunded' then return reply({t = 'conflict', st = rec.st}) end
+  -- The charges were worked out from this version of the record.
+  if rec.v ~= req.v then return reply({t = 'retry'}) end
+  local held = rec.st == 'held'
+  for _, sc in ipairs(req.scopes) do observe_scope(sc) end
+  for _, sc in ipairs(req.scopes) do
+    local s = load_scope(sc)
+    for li, L in ipairs(s.lims) do record(s.states[li], L.a or 0) end
+    if held then
+      s.S.hc = s.S.hc - 1
+      add_map(s.S.h, rec.h, -1)
+      redis.call('ZREM', s.hkey, rec.id)
+    end
+    save_scope(s)
+  end
+  if held then
+    redis.call('ZREM', base .. ':x', rec.id)
+    redis.call('HINCRBY', base .. ':n', 'held', -1)
+  end
+  rec.late = not held
+  rec.st = 'settled'
+  rec.e = now
+  rec.c = req.c
+  schedule_drop(base, rec, now)
+  redis.call('SET', base .. ':r:' .. rec.id, pack(rec))
+  usage_event('settled', now, rec)
+  return reply({t = 'ok', rec = rec})
+end
+
+function ops.refund()
+  local base = req.b
+  observe_tag(base, 64)
+  local rec = load_record(base, req.id)
+  if not rec then return reply({t = 'nf'}) end
+  if rec.st == 'settled' then return reply({t = 'conflict', st = rec.st}) end
+  if rec.st ~= 'held' then return reply({t = 'ok', rec = rec}) end
+  release(rec)
+  redis.call('ZREM', base .. ':x', rec.id)
+  redis.call('HINCRBY', base .. ':n', 'held', -1)
+  rec.st = 'refunded'
+  rec.e = now
+  schedule_drop(base, rec, now)
+  redis.call('SET', base .. ':r:' .. rec.id, pack(rec))
+  usage_event('refunded', now, rec)
+  return reply({t = 'ok', rec = rec})
+end
+
+function ops.extend()
+  local base = req.b
+  if not calendars_hold(req.scopes) then return reply({t = 'cal', now = now}) end
+  observe_tag(base, 64)
+  local rec = load_record(base, req.id)
+  if not rec then return reply({t = 'nf'}) end
+  if rec.st ~= 'held' then return reply({t = 'notheld', st = rec.st}) end
+  if rec.v ~= req.v then return reply({t = 'retry'}) end
+  for _, sc in ipairs(req.scopes) do observe_scope(sc) end
+  local scopes = {}
+  for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
+  local grow = has_any(req.h)
+  if grow then
+    local denial = check(scopes, true)
+    if denial then return reply({t = 'deny', d = denial}) end
+  end
+  local x
+  if req.ttl then x = now + req.ttl end
+  for _, s in ipairs(scopes) do
+    if grow then add_map(s.S.h, req.h, 1) end
+    if x then redis.call('ZADD', s.hkey, I(x), rec.id) end
+    save_scope(s)
+  end
+  add_map(rec.h, req.h, 1)
+  if x then
+    rec.x = x
+    redis.call('ZADD', base .. ':x', I(x), rec.id)
+  end
+  rec.v = rec.v + 1
+  redis.call('SET', base .. ':r:' .. rec.id, pack(rec))
+  return reply({t = 'ok', rec = rec})
+end
+
+function ops.get()
+  local base = req.b
+  observe_tag(base, 64)
+  local rec = load_record(base, req.id)
+  if not rec then return reply({t = 'nf'}) end
+  return reply({t = 'ok', rec = rec})
+end
+
+-- A reservation's record as it stands (no expiry observed): what a settle
+-- or extend reads to work out its amounts.
+function ops.peek()
+  local raw = redis.call('GET', req.b .. ':r:' .. req.id)
+  if not raw then return reply({t = 'nf'}) end
+  return reply({t = 'ok', rec = unpack(raw), now = now})
+end
+
+function ops.status()
+  if not calendars_hold(req.scopes) then return reply({t = 'cal', now = now}) end
+  local sc = req.scopes[1]
+  observe_scope(sc)
+  local s = load_scope(sc)
+  return reply({t = 'ok', hc = s.S.hc, rem = report({s})})
+end
+
+function ops.adjust()
+  if not calendars_hold(req.scopes) then return reply({t = 'cal', now = now}) end
+  local sc = req.scopes[1]
+  observe_scope(sc)
+  local s = load_scope(sc)
+  for li, L in ipairs(s.lims) do
+    if L.k == 't' and L.d == req.d then s.states[li].u = s.states[li].u - req.credit end
+  end
+  save_scope(s)
+  redis.call('XADD', P .. 'u', 'MAXLEN', '~', I(req.um), '*', 'k', 'adjusted', 'at', I(now),
+    'a', pack({s = sc.n, d = req.d, c = req.credit, w = req.reason, tn = req.tn}))
+  return reply({t = 'ok', hc = s.S.hc, rem = report({s})})
+end
+
+-- The sweeper: one tenant group's due expiries and retention.
+function ops.tick()
+  local n = observe_tag(req.b, 1000)
+  return reply({t = 'ok', n = n})
+end
+
+-- Appends an admin change to the shared catalog if the caller saw the
+-- latest version (a compare-and-set: changes apply in one order everywhere).
+function ops.catalog()
+  local v = redis.call('LLEN', P .. 'cat')
+  if v ~= req.cv then return reply({t = 'stale', cv = v}) end
+  redis.call('RPUSH', P .. 'cat', req.change)
+  return reply({t = 'ok', cv = v + 1})
+end
+
+local op = ops[req.op]
+if not op then return redis.error_reply('allowance: unknown operation ' .. tostring(req.op)) end
+if req.op ~= 'catalog' and req.cv then
+  -- The catalog this instance resolved limits with must be the latest.
+  local v = redis.call('LLEN', P .. 'cat')
+  if v ~= req.cv then return reply({t = 'stale', cv = v}) end
+end
+return op()

@@ -1,0 +1,748 @@
+//! Real, throwaway `redis-server` processes for tests.
+//!
+//! Other crates' tests use this as a dev-dependency to run against a real
+//! Redis without touching any server that is already running on the machine
+//! (in particular never the one on `127.0.0.1:6379`): every [`RedisServer`]
+//! is a child process of the test, listening on a free port of `127.0.0.1`,
+//! with its own temporary directory, and is killed (`SIGKILL`, then reaped)
+//! and its directory removed when it is dropped.
+//!
+//! Everything here is blocking `std` code (processes, `std::net::TcpStream`),
+//! callable from sync tests and from async tests alike. Unix only: stopping
+//! and continuing a server sends `SIGSTOP` / `SIGCONT` through `kill(1)`.
+//!
+//! ```no_run
+//! use allowance_testkit::{RedisServer, redis_available};
+//!
+//! let Some(()) = redis_available() else { return };
+//! let server = RedisServer::start();
+//! assert_eq!(server.command(&["PING"]).unwrap(), "PONG");
+//! ```
+
+use std::fs::{self, OpenOptions};
+use std::io::{self, BufRead, BufReader, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+/// The only address servers listen on.
+const HOST: Ipv4Addr = Ipv4Addr::LOCALHOST;
+/// Connect / read / write timeout of [`command`].
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How many fresh ports a start tries when redis cannot bind the one picked.
+const START_ATTEMPTS: usize = 5;
+/// How long a (re)started server has to answer `PING` with `PONG`.
+const READY_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a restart keeps retrying while its port is briefly taken.
+const RESTART_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a new cluster has to report `cluster_state:ok` on every node.
+const CLUSTER_TIMEOUT: Duration = Duration::from_secs(20);
+/// Polling interval of every wait here.
+const POLL: Duration = Duration::from_millis(10);
+/// A cluster node's port must leave room for its bus port (port + 10000).
+const MAX_CLUSTER_PORT: u16 = 55_000;
+/// Redis' cluster bus listens on the client port plus this.
+const CLUSTER_BUS_OFFSET: u16 = 10_000;
+/// The server's own log file, inside its directory.
+const LOG_FILE: &str = "redis.log";
+/// The server's stdout and stderr (errors before the log file is open), inside its directory.
+const STDIO_FILE: &str = "stdio.log";
+
+/// Whether `redis-server` can be used by the tests of this run.
+///
+/// Returns `Some(())` when `redis-server` is an executable on `PATH`. When it
+/// is missing: panics if the environment variable `CI` is set (non-empty) —
+/// "redis-server is required in CI" — and otherwise prints a loud
+/// "skipping: redis-server not found" to stderr and returns `None`, so a test
+/// can start with `let Some(()) = redis_available() else { return };`.
+pub fn redis_available() -> Option<()> {
+    if find_on_path("redis-server").is_some() {
+        return Some(());
+    }
+    if std::env::var_os("CI").is_some_and(|v| !v.is_empty()) {
+        panic!("redis-server is required in CI, but it is not on PATH");
+    }
+    eprintln!(
+        "\n************************************************************\n\
+         *** skipping: redis-server not found on PATH             ***\n\
+         ************************************************************\n"
+    );
+    None
+}
+
+/// The first executable file called `name` in a directory of `PATH`.
+fn find_on_path(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(name))
+        .find(|candidate| {
+            fs::metadata(candidate)
+                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+}
+
+/// Sends one command to the Redis server on `127.0.0.1:port` and returns its reply as text.
+///
+/// A fresh connection per call, with a 5 s connect, read and write timeout
+/// (see [`command_timeout`] for another one). The reply is rendered as:
+/// simple strings and bulk strings as their text (bulk strings decoded as
+/// lossy UTF-8, e.g. `INFO` keeps its `\r\n` line ends), integers in decimal,
+/// a nil bulk string or nil array as `(nil)`, and arrays as their elements'
+/// renderings joined by `\n`. An error reply (`-ERR …`) at the top level is
+/// returned as an [`io::Error`] of kind [`io::ErrorKind::Other`] whose
+/// message is the error text; inside an array it is rendered as its text.
+pub fn command(port: u16, args: &[&str]) -> io::Result<String> {
+    command_timeout(port, args, DEFAULT_TIMEOUT)
+}
+
+/// [`command`] with `timeout` as the connect, read and write timeout.
+///
+/// A stopped server (see [`RedisServer::stop`]) still accepts connections
+/// (the kernel does that), so a command to it fails with a read timeout
+/// ([`io::ErrorKind::WouldBlock`] or [`io::ErrorKind::TimedOut`]).
+pub fn command_timeout(port: u16, args: &[&str], timeout: Duration) -> io::Result<String> {
+    let stream = TcpStream::connect_timeout(&SocketAddr::from((HOST, port)), timeout)?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    stream.set_nodelay(true)?;
+    (&stream).write_all(&encode_command(args))?;
+    match read_reply(&mut BufReader::new(&stream))? {
+        Reply::Error(message) => Err(io::Error::other(message)),
+        reply => Ok(reply.render()),
+    }
+}
+
+/// `args` as a RESP array of bulk strings.
+fn encode_command(args: &[&str]) -> Vec<u8> {
+    let mut out = format!("*{}\r\n", args.len()).into_bytes();
+    for arg in args {
+        out.extend_from_slice(format!("${}\r\n", arg.len()).as_bytes());
+        out.extend_from_slice(arg.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    out
+}
+
+/// One RESP2 reply.
+#[derive(Debug, PartialEq)]
+enum Reply {
+    /// `+text`
+    Simple(String),
+    /// `-text`
+    Error(String),
+    /// `:n`
+    Integer(i64),
+    /// `$len` + data, `None` for `$-1`.
+    Bulk(Option<String>),
+    /// `*len` + elements, `None` for `*-1`.
+    Array(Option<Vec<Reply>>),
+}
+
+impl Reply {
+    /// The textual form documented on [`command`].
+    fn render(&self) -> String {
+        match self {
+            Reply::Simple(s) | Reply::Error(s) | Reply::Bulk(Some(s)) => s.clone(),
+            Reply::Integer(n) => n.to_string(),
+            Reply::Bulk(None) | Reply::Array(None) => "(nil)".to_owned(),
+            Reply::Array(Some(items)) => items
+                .iter()
+                .map(Reply::render)
+                .collect::<Vec<_>>()
+                .join("\n"),
+        }
+    }
+}
+
+/// Reads one whole reply (recursively for arrays).
+fn read_reply(reader: &mut impl BufRead) -> io::Result<Reply> {
+    let line = read_line(reader)?;
+    let (kind, rest) = line
+        .split_at_checked(1)
+        .ok_or_else(|| protocol_error("empty reply line"))?;
+    let length = |rest: &str| -> io::Result<i64> {
+        rest.parse()
+            .map_err(|_| protocol_error(&format!("bad length {rest:?}")))
+    };
+    Ok(match kind {
+        "+" => Reply::Simple(rest.to_owned()),
+        "-" => Reply::Error(rest.to_owned()),
+        ":" => Reply::Integer(length(rest)?),
+        "$" => match usize::try_from(length(rest)?) {
+            Err(_) => Reply::Bulk(None),
+            Ok(len) => {
+                let mut data = vec![0; len + 2];
+                reader.read_exact(&mut data)?;
+                if !data.ends_with(b"\r\n") {
+                    return Err(protocol_error("bulk string not terminated by CRLF"));
+                }
+                data.truncate(len);
+                Reply::Bulk(Some(String::from_utf8_lossy(&data).into_owned()))
+            }
+        },
+        "*" => match usize::try_from(length(rest)?) {
+            Err(_) => Reply::Array(None),
+            Ok(len) => Reply::Array(Some(
+                (0..len)
+                    .map(|_| read_reply(reader))
+                    .collect::<io::Result<_>>()?,
+            )),
+        },
+        _ => return Err(protocol_error(&format!("unknown reply type in {line:?}"))),
+    })
+}
+
+/// One CRLF-terminated line, without the CRLF.
+fn read_line(reader: &mut impl BufRead) -> io::Result<String> {
+    let mut line = Vec::new();
+    reader.read_until(b'\n', &mut line)?;
+    if !line.ends_with(b"\r\n") {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "connection closed mid-reply",
+        ));
+    }
+    line.truncate(line.len() - 2);
+    String::from_utf8(line).map_err(|_| protocol_error("reply line is not UTF-8"))
+}
+
+/// An [`io::ErrorKind::InvalidData`] error for a malformed reply.
+fn protocol_error(message: &str) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("RESP protocol error: {message}"),
+    )
+}
+
+/// How a [`RedisServer`] is configured.
+#[derive(Debug, Clone)]
+pub struct RedisOptions {
+    /// `--appendonly yes|no`: whether writes go to the append-only file (in the server's directory).
+    pub appendonly: bool,
+    /// `--appendfsync`: `"always"`, `"everysec"` or `"no"`.
+    pub appendfsync: &'static str,
+    /// More command-line arguments, appended after the fixed ones (e.g. `["--maxmemory", "10mb"]`).
+    ///
+    /// If they contain `--cluster-enabled`, the port is chosen so that the
+    /// cluster bus port (port + 10000) is free as well.
+    pub extra: Vec<String>,
+}
+
+impl Default for RedisOptions {
+    /// No append-only file, `everysec`, no extra arguments.
+    fn default() -> Self {
+        RedisOptions {
+            appendonly: false,
+            appendfsync: "everysec",
+            extra: Vec::new(),
+        }
+    }
+}
+
+impl RedisOptions {
+    /// Whether these options make a cluster node, which also listens on port + 10000.
+    fn cluster_enabled(&self) -> bool {
+        self.extra.iter().any(|arg| arg == "--cluster-enabled")
+    }
+}
+
+/// Why launching a `redis-server` process did not give a ready server.
+enum LaunchError {
+    /// The port (or the cluster bus port) was taken: try again (another port, or later).
+    PortBusy(String),
+    /// Anything else: give up.
+    Failed(String),
+}
+
+/// A `redis-server` child process listening on `127.0.0.1`, with its own temporary directory.
+///
+/// Dropping it kills the process with `SIGKILL`, reaps it (no zombie is left)
+/// and removes the directory.
+#[derive(Debug)]
+pub struct RedisServer {
+    /// The running process; `None` after [`RedisServer::kill9`].
+    child: Option<Child>,
+    /// The pid of the last process started.
+    pid: u32,
+    /// The port it listens on (kept across restarts).
+    port: u16,
+    /// The options it was started with (kept across restarts).
+    opts: RedisOptions,
+    /// Its `--dir`: log, append-only file, `nodes.conf`.
+    dir: tempfile::TempDir,
+}
+
+impl RedisServer {
+    /// Starts a server with [`RedisOptions::default`]; see [`RedisServer::start_with`].
+    pub fn start() -> RedisServer {
+        RedisServer::start_with(RedisOptions::default())
+    }
+
+    /// Starts a server on a free port of `127.0.0.1` and waits until it answers `PING`.
+    ///
+    /// Runs `redis-server --bind 127.0.0.1 --port N --dir <tmp> --save ""
+    /// --appendonly yes|no --appendfsync X --protected-mode no --daemonize no
+    /// --logfile <tmp>/redis.log` followed by `opts.extra`. The port comes from
+    /// binding `127.0.0.1:0`; since another test may grab it before redis
+    /// does, the whole start is retried on a new port (up to 5 times) when
+    /// redis reports the address in use. Waits up to 10 s, polling `PING`
+    /// every 10 ms, for `PONG` from this very process (checked through
+    /// `INFO server`'s `process_id`, so a server of another test that took
+    /// the port is not mistaken for it).
+    ///
+    /// # Panics
+    ///
+    /// If `redis-server` cannot be spawned, exits, or does not answer in
+    /// time; the message carries the tail of its log.
+    pub fn start_with(opts: RedisOptions) -> RedisServer {
+        let mut server = RedisServer {
+            child: None,
+            pid: 0,
+            port: 0,
+            dir: new_tempdir(),
+            opts,
+        };
+        let mut last_error = String::new();
+        for attempt in 1..=START_ATTEMPTS {
+            server.port = free_port(server.opts.cluster_enabled());
+            match server.launch() {
+                Ok(()) => return server,
+                Err(LaunchError::PortBusy(log)) => {
+                    last_error = log;
+                    // Whatever the failed attempt left (a nodes.conf naming the old port…) goes.
+                    if attempt < START_ATTEMPTS {
+                        server.dir = new_tempdir();
+                    }
+                }
+                Err(LaunchError::Failed(message)) => panic!("{message}"),
+            }
+        }
+        panic!(
+            "redis-server could not bind a free port in {START_ATTEMPTS} attempts; last log:\n{last_error}"
+        );
+    }
+
+    /// The port it listens on, on `127.0.0.1`.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Its URL: `redis://127.0.0.1:PORT/0`.
+    pub fn url(&self) -> String {
+        format!("redis://{HOST}:{}/0", self.port)
+    }
+
+    /// The pid of its process (of the latest one after a [`RedisServer::restart`]).
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Its working directory (`--dir`): log file, append-only file, `nodes.conf`.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Kills the process with `SIGKILL` and waits for it; no-op if it is not running.
+    ///
+    /// The directory (and so the append-only file) is kept, for
+    /// [`RedisServer::restart`].
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // Fails only if it already exited; wait reaps it either way.
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Freezes the process with `SIGSTOP`, and returns once it is stopped.
+    ///
+    /// It keeps its port (connections are still accepted by the kernel) but
+    /// answers nothing until [`RedisServer::cont`].
+    ///
+    /// # Panics
+    ///
+    /// If the server is not running or the signal cannot be sent.
+    pub fn stop(&self) {
+        self.signal("STOP");
+        self.wait_for_state(|state| state == 'T', "stopped");
+    }
+
+    /// Resumes the process stopped by [`RedisServer::stop`] with `SIGCONT`, and returns once it runs.
+    ///
+    /// # Panics
+    ///
+    /// If the server is not running or the signal cannot be sent.
+    pub fn cont(&self) {
+        self.signal("CONT");
+        self.wait_for_state(|state| state != 'T', "continued");
+    }
+
+    /// Starts the server again: same port, same directory, same options.
+    ///
+    /// If it is running, it is [`RedisServer::kill9`]ed first. With
+    /// `appendonly`, it reloads its append-only file. Waits for `PONG` as
+    /// [`RedisServer::start_with`] does; if the port is briefly taken by
+    /// someone else, keeps retrying for up to 5 s.
+    ///
+    /// # Panics
+    ///
+    /// If it cannot start or does not answer in time.
+    pub fn restart(&mut self) {
+        self.kill9();
+        let deadline = Instant::now() + RESTART_BUSY_TIMEOUT;
+        loop {
+            match self.launch() {
+                Ok(()) => return,
+                Err(LaunchError::PortBusy(_)) if Instant::now() < deadline => {
+                    sleep(Duration::from_millis(100));
+                }
+                Err(LaunchError::PortBusy(log)) => panic!(
+                    "redis-server could not get its port {} back within {RESTART_BUSY_TIMEOUT:?}; log:\n{log}",
+                    self.port
+                ),
+                Err(LaunchError::Failed(message)) => panic!("{message}"),
+            }
+        }
+    }
+
+    /// Sends one command to this server; see the free function [`command`].
+    pub fn command(&self, args: &[&str]) -> io::Result<String> {
+        command(self.port, args)
+    }
+
+    /// Spawns `redis-server` on `self.port` in `self.dir` and waits until it answers.
+    fn launch(&mut self) -> Result<(), LaunchError> {
+        debug_assert!(self.child.is_none());
+        let dir = self.dir.path().to_owned();
+        let stdio = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join(STDIO_FILE))
+            .and_then(|file| Ok((file.try_clone()?, file)))
+            .unwrap_or_else(|e| panic!("cannot create {}: {e}", dir.join(STDIO_FILE).display()));
+        let mut cmd = Command::new("redis-server");
+        cmd.arg("--bind")
+            .arg(HOST.to_string())
+            .arg("--port")
+            .arg(self.port.to_string())
+            .arg("--dir")
+            .arg(&dir)
+            .arg("--save")
+            .arg("")
+            .arg("--appendonly")
+            .arg(if self.opts.appendonly { "yes" } else { "no" })
+            .arg("--appendfsync")
+            .arg(self.opts.appendfsync)
+            .arg("--protected-mode")
+            .arg("no")
+            .arg("--daemonize")
+            .arg("no")
+            .arg("--logfile")
+            .arg(dir.join(LOG_FILE))
+            .args(&self.opts.extra)
+            .stdin(Stdio::null())
+            .stdout(stdio.0)
+            .stderr(stdio.1);
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot spawn redis-server: {e}"));
+        self.pid = child.id();
+        let child = self.child.insert(child);
+
+        let deadline = Instant::now() + READY_TIMEOUT;
+        let pid_line = format!("process_id:{}", self.pid);
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                self.child = None;
+                let log = self.log_tail();
+                return Err(if log.contains("Address already in use") {
+                    LaunchError::PortBusy(log)
+                } else {
+                    LaunchError::Failed(format!(
+                        "redis-server on port {} exited ({status}) during startup; log:\n{log}",
+                        self.port
+                    ))
+                });
+            }
+            // PONG may come from another test's server that took the port; ours then exits.
+            if command_timeout(self.port, &["PING"], Duration::from_secs(1))
+                .is_ok_and(|r| r == "PONG")
+                && command(self.port, &["INFO", "server"])
+                    .is_ok_and(|info| info.lines().any(|line| line.trim_end() == pid_line))
+            {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                self.kill9();
+                return Err(LaunchError::Failed(format!(
+                    "redis-server on port {} did not answer PING within {READY_TIMEOUT:?}; log:\n{}",
+                    self.port,
+                    self.log_tail()
+                )));
+            }
+            sleep(POLL);
+        }
+    }
+
+    /// Sends `SIGname` to the running process through `kill(1)`.
+    fn signal(&self, name: &str) {
+        assert!(
+            self.child.is_some(),
+            "redis-server on port {} is not running",
+            self.port
+        );
+        let status = Command::new("kill")
+            .args(["-s", name, &self.pid.to_string()])
+            .status()
+            .unwrap_or_else(|e| panic!("cannot run kill: {e}"));
+        assert!(
+            status.success(),
+            "kill -s {name} {} failed: {status}",
+            self.pid
+        );
+    }
+
+    /// Waits (up to 5 s) until the process state letter in `/proc/PID/stat` satisfies `wanted`.
+    fn wait_for_state(&self, wanted: impl Fn(char) -> bool, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let stat_path = format!("/proc/{}/stat", self.pid);
+        loop {
+            let state = fs::read_to_string(&stat_path).ok().and_then(|stat| {
+                // "pid (comm) S ...": the comm may hold anything, so look after its last ')'.
+                stat.rsplit_once(')')
+                    .and_then(|(_, rest)| rest.trim_start().chars().next())
+            });
+            match state {
+                Some(state) if wanted(state) => return,
+                // No procfs (not Linux): trust the signal.
+                None if !Path::new("/proc/self/stat").exists() => return,
+                _ if Instant::now() >= deadline => {
+                    panic!("redis-server (pid {}) was not {what} within 5 s", self.pid)
+                }
+                _ => sleep(POLL),
+            }
+        }
+    }
+
+    /// The last lines of its log file and of its stdout/stderr, for panic messages.
+    fn log_tail(&self) -> String {
+        let mut out = String::new();
+        for name in [LOG_FILE, STDIO_FILE] {
+            let text = fs::read_to_string(self.dir.path().join(name)).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            out.push_str(&format!("--- {name} (last lines) ---\n"));
+            for line in &lines[lines.len().saturating_sub(30)..] {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+        out
+    }
+}
+
+impl Drop for RedisServer {
+    /// `SIGKILL`s and reaps the process; the directory is removed afterwards.
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// A fresh temporary directory for one server.
+fn new_tempdir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("allowance-redis-")
+        .tempdir()
+        .unwrap_or_else(|e| panic!("cannot create a temporary directory: {e}"))
+}
+
+/// Whether `127.0.0.1:port` can be bound right now.
+fn port_is_free(port: u16) -> bool {
+    TcpListener::bind((HOST, port)).is_ok()
+}
+
+/// A port of `127.0.0.1` that was free a moment ago (the kernel's pick for port 0).
+///
+/// With `cluster_bus`, the port is at most 55000 and port + 10000 was free too.
+fn free_port(cluster_bus: bool) -> u16 {
+    for _ in 0..10_000 {
+        let port = TcpListener::bind((HOST, 0))
+            .and_then(|listener| listener.local_addr())
+            .unwrap_or_else(|e| panic!("cannot bind 127.0.0.1:0: {e}"))
+            .port();
+        if !cluster_bus || (port <= MAX_CLUSTER_PORT && port_is_free(port + CLUSTER_BUS_OFFSET)) {
+            return port;
+        }
+    }
+    panic!("found no free port pair P, P+{CLUSTER_BUS_OFFSET} with P <= {MAX_CLUSTER_PORT}");
+}
+
+/// A Redis Cluster of masters only (no replicas), each a [`RedisServer`], all slots assigned.
+///
+/// Dropping it drops (kills) every node.
+#[derive(Debug)]
+pub struct RedisCluster {
+    /// Its nodes, in the order given to `redis-cli --cluster create`.
+    nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// Starts a cluster of `masters` masters with default node options; see [`RedisCluster::start_with`].
+    pub fn start(masters: usize) -> RedisCluster {
+        RedisCluster::start_with(masters, RedisOptions::default())
+    }
+
+    /// Starts `masters` cluster nodes with `opts` and joins them into one cluster.
+    ///
+    /// Each node is a [`RedisServer`] with `opts` plus `--cluster-enabled yes
+    /// --cluster-config-file nodes.conf --cluster-node-timeout 5000`, on a
+    /// port P ≤ 55000 whose bus port P + 10000 is free too. Then runs
+    /// `redis-cli --cluster create 127.0.0.1:P1 … --cluster-replicas 0
+    /// --cluster-yes`, which spreads the 16384 slots evenly, and waits up to
+    /// 20 s until every node reports `cluster_state:ok` in `CLUSTER INFO`.
+    ///
+    /// # Panics
+    ///
+    /// If `masters < 3` (`redis-cli --cluster create` needs three), if
+    /// `redis-cli` is missing or fails, or if the cluster does not become ok
+    /// in time.
+    pub fn start_with(masters: usize, mut opts: RedisOptions) -> RedisCluster {
+        assert!(
+            masters >= 3,
+            "redis-cli --cluster create needs at least 3 masters, got {masters}"
+        );
+        opts.extra.extend(
+            [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                "5000",
+            ]
+            .map(String::from),
+        );
+        let cluster = RedisCluster {
+            nodes: (0..masters)
+                .map(|_| RedisServer::start_with(opts.clone()))
+                .collect(),
+        };
+
+        let output = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(
+                cluster
+                    .nodes
+                    .iter()
+                    .map(|node| format!("{HOST}:{}", node.port())),
+            )
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run redis-cli (is it on PATH?): {e}"));
+        let transcript = format!(
+            "redis-cli --cluster create: {}\n--- stdout ---\n{}\n--- stderr ---\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert!(output.status.success(), "{transcript}");
+
+        let deadline = Instant::now() + CLUSTER_TIMEOUT;
+        loop {
+            let infos: Vec<String> = cluster
+                .nodes
+                .iter()
+                .map(|node| {
+                    node.command(&["CLUSTER", "INFO"])
+                        .unwrap_or_else(|e| format!("error: {e}"))
+                })
+                .collect();
+            if infos.iter().all(|info| {
+                info.lines()
+                    .any(|line| line.trim_end() == "cluster_state:ok")
+            }) {
+                return cluster;
+            }
+            if Instant::now() >= deadline {
+                panic!(
+                    "cluster not ok within {CLUSTER_TIMEOUT:?}; CLUSTER INFO per node: {infos:#?}\n{transcript}"
+                );
+            }
+            sleep(POLL);
+        }
+    }
+
+    /// Every node's URL (`redis://127.0.0.1:PORT/0`), in node order.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
+    }
+
+    /// Its nodes, in node order.
+    pub fn nodes(&self) -> &[RedisServer] {
+        &self.nodes
+    }
+
+    /// Its nodes, mutably: to [`RedisServer::kill9`] or [`RedisServer::restart`] one.
+    pub fn nodes_mut(&mut self) -> &mut [RedisServer] {
+        &mut self.nodes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(bytes: &[u8]) -> io::Result<Reply> {
+        read_reply(&mut BufReader::new(bytes))
+    }
+
+    #[test]
+    fn encodes_commands_as_bulk_string_arrays() {
+        assert_eq!(
+            encode_command(&["SET", "k", ""]),
+            b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$0\r\n\r\n"
+        );
+    }
+
+    #[test]
+    fn parses_and_renders_replies() {
+        assert_eq!(parse(b"+PONG\r\n").unwrap().render(), "PONG");
+        assert_eq!(parse(b":42\r\n").unwrap().render(), "42");
+        assert_eq!(parse(b"$5\r\na\r\nbc\r\n").unwrap().render(), "a\r\nbc");
+        assert_eq!(parse(b"$-1\r\n").unwrap().render(), "(nil)");
+        assert_eq!(parse(b"*-1\r\n").unwrap().render(), "(nil)");
+        assert_eq!(
+            parse(b"*3\r\n$1\r\na\r\n:1\r\n-ERR x\r\n")
+                .unwrap()
+                .render(),
+            "a\n1\nERR x"
+        );
+        assert_eq!(
+            parse(b"-ERR nope\r\n").unwrap(),
+            Reply::Error("ERR nope".into())
+        );
+    }
+
+    #[test]
+    fn rejects_truncated_and_malformed_replies() {
+        assert_eq!(
+            parse(b"+PON").unwrap_err().kind(),
+            io::ErrorKind::UnexpectedEof
+        );
+        assert_eq!(
+            parse(b"$5\r\nab").unwrap_err().kind(),
+            io::ErrorKind::UnexpectedEof
+        );
+        assert_eq!(
+            parse(b"?x\r\n").unwrap_err().kind(),
+            io::ErrorKind::InvalidData
+        );
+        assert_eq!(
+            parse(b"$x\r\n").unwrap_err().kind(),
+            io::ErrorKind::InvalidData
+        );
+    }
+}
