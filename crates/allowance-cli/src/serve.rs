@@ -6,9 +6,10 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use allowance_config::{Config, Role, StoreKind};
+use allowance_config::{Config, OnError, Role, StoreKind};
 use allowance_core::{EmbeddedStore, Store};
 use allowance_durable::{DurableOptions, DurableStore};
+use allowance_redis::{RedisOptions, RedisStore};
 use allowance_server::{AppState, Credential, Credentials, Options, RandomIds, SystemClock};
 use allowance_wal::Fsync as WalFsync;
 use anyhow::Context;
@@ -62,9 +63,9 @@ fn configure(args: &ServeArgs) -> Result<Config, String> {
         }
         config.store.data_dir = (!dir.as_os_str().is_empty()).then(|| dir.clone());
     }
-    if config.store.kind == StoreKind::Redis {
+    if config.store.kind == StoreKind::Redis && config.store.on_error == OnError::FailOpenLocal {
         return Err(format!(
-            "error: {}: key `store.kind`: the redis store is not available in this version; use \"embedded\"\n",
+            "error: {}: key `store.on_error`: \"fail_open_local\" is not available with the redis store in this version; use \"fail_closed\"\n",
             config.source
         ));
     }
@@ -143,6 +144,9 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     }
     let clock: Arc<SystemClock> = Arc::new(SystemClock::default());
     let (store, durable): (Arc<dyn Store>, Option<DurableStore>) = match &config.store.data_dir {
+        _ if config.store.kind == StoreKind::Redis => {
+            (Arc::new(connect_redis(&config).await?), None)
+        }
         Some(dir) => {
             let store = open_durable(&config, dir, clock.clone()).await?;
             (Arc::new(store.clone()), Some(store))
@@ -172,6 +176,37 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Connects to the Redis store; every instance sharing it should load the
+/// same configuration (admin changes made through the API are shared).
+async fn connect_redis(config: &Config) -> anyhow::Result<RedisStore> {
+    let url = config
+        .store
+        .url
+        .clone()
+        .context("store.url is required for the redis store")?;
+    let mut options = RedisOptions::new(url.clone());
+    options.timeout_ms = config.store.timeout_ms;
+    let store = RedisStore::connect(options, config.catalog.clone(), None, Arc::new(RandomIds))
+        .await
+        .context("cannot start the redis store")?;
+    tracing::info!(url = %redact(&url), prefix = store.prefix(), "store: redis");
+    Ok(store)
+}
+
+/// A URL with its password hidden, for logs.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let userinfo = &url[scheme + 3..at];
+            match userinfo.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
+                None => url.to_string(),
+            }
+        }
+        _ => url.to_string(),
+    }
 }
 
 /// Opens the durable embedded store in `dir`: recovery with a progress bar

@@ -375,14 +375,12 @@ impl RedisStore {
     fn remaining(
         catalog: &Catalog,
         scopes: &[ScopeKey],
-        specs: &[ScopeSpec],
         rem: &Option<Vec<Vec<LimOut>>>,
     ) -> Result<Vec<Remaining>, Unavailable> {
         let mut out = Vec::new();
         for (si, key) in scopes.iter().enumerate() {
             for (li, l) in catalog.plan_for(key).limits().iter().enumerate() {
                 let o = Self::out_of(rem, si, li)?;
-                let _ = &specs[si];
                 out.push(Remaining {
                     scope: key.clone(),
                     dimension: catalog.dimension_name(l.dimension()).to_string(),
@@ -547,7 +545,7 @@ impl Store for RedisStore {
                 "ok" if reply.dry == Some(true) => {
                     let now = reply.now.unwrap_or(estimate);
                     let expires_at = Timestamp::from_millis(reply.x.unwrap_or(now));
-                    let mut remaining = Self::remaining(&catalog, keys, &r.scopes, &reply.rem)?;
+                    let mut remaining = Self::remaining(&catalog, keys, &reply.rem)?;
                     // The room after this hold, exactly what the reserve would report.
                     let asked: Vec<u64> = r
                         .scopes
@@ -581,7 +579,7 @@ impl Store for RedisStore {
                     let remaining = if reply.replay == Some(true) || !req.report_remaining {
                         Vec::new()
                     } else {
-                        Self::remaining(&catalog, keys, &r.scopes, &reply.rem)?
+                        Self::remaining(&catalog, keys, &reply.rem)?
                     };
                     Ok(Granted {
                         id: res.id,
