@@ -41,6 +41,16 @@ local floor, max, min = math.floor, math.max, math.min
 
 local function reply(t) return pack(t) end
 
+-- A stored blob, or a script error before any write: cmsgpack reads
+-- garbage as a number rather than failing, so the type is checked.
+local function decode(raw, key)
+  local ok, v = pcall(unpack, raw)
+  if not ok or type(v) ~= 'table' then
+    error('allowance: unreadable value at ' .. key)
+  end
+  return v
+end
+
 -- a·b = q·m + r (0 ≤ r < m), exact while q < 2^53 (larger q only saturate).
 local TWO53 = 9007199254740992
 local function divmod(p, m)
@@ -257,7 +267,7 @@ local function load_scope(sc)
   local key = sc.b .. ':s:' .. sc.n
   local raw = redis.call('GET', key)
   local S
-  if raw then S = unpack(raw) else S = empty_scope() end
+  if raw then S = decode(raw, key) else S = empty_scope() end
   local states = {}
   local from = S.at
   for i, L in ipairs(sc.lims) do
@@ -315,19 +325,24 @@ local function schedule_drop(base, rec, from)
   redis.call('ZADD', base .. ':d', I(rec.da), rec.id)
 end
 
--- Releases a HELD reservation's hold on every scope (its windows untouched).
+-- Releases a HELD reservation's hold on every scope (its windows
+-- untouched). Every scope is read before the first write: a corrupted one
+-- fails the script with nothing changed.
 local function release(rec)
+  local loaded = {}
   for i, name in ipairs(rec.sc) do
-    local sb = rec.sb[i]
-    local key = sb .. ':s:' .. name
+    local key = rec.sb[i] .. ':s:' .. name
     local raw = redis.call('GET', key)
-    if raw then
-      local S = unpack(raw)
-      S.hc = S.hc - 1
-      add_map(S.h, rec.h, -1)
-      store_scope(key, S)
+    if raw then loaded[i] = {key = key, S = decode(raw, key)} end
+  end
+  for i, name in ipairs(rec.sc) do
+    local x = loaded[i]
+    if x then
+      x.S.hc = x.S.hc - 1
+      add_map(x.S.h, rec.h, -1)
+      store_scope(x.key, x.S)
     end
-    redis.call('ZREM', sb .. ':h:' .. name, rec.id)
+    redis.call('ZREM', rec.sb[i] .. ':h:' .. name, rec.id)
   end
 end
 
@@ -346,12 +361,13 @@ end
 
 local function expire_id(id)
   local base = base_of(id)
-  local raw = redis.call('GET', base .. ':r:' .. id)
+  local rkey = base .. ':r:' .. id
+  local raw = redis.call('GET', rkey)
   if not raw then
     redis.call('ZREM', base .. ':x', id)
     return
   end
-  local rec = unpack(raw)
+  local rec = decode(raw, rkey)
   if rec.st == 'held' and rec.x <= now then expire(rec, base) end
 end
 
@@ -365,7 +381,7 @@ local function observe_tag(base, limit)
     local rkey = base .. ':r:' .. id
     local raw = redis.call('GET', rkey)
     if raw then
-      local rec = unpack(raw)
+      local rec = decode(raw, rkey)
       if rec.st ~= 'held' then
         redis.call('DEL', rkey)
         if rec.ik then
@@ -387,9 +403,10 @@ end
 
 -- A record, its expiry observed.
 local function load_record(base, id)
-  local raw = redis.call('GET', base .. ':r:' .. id)
+  local rkey = base .. ':r:' .. id
+  local raw = redis.call('GET', rkey)
   if not raw then return nil end
-  local rec = unpack(raw)
+  local rec = decode(raw, rkey)
   if rec.st == 'held' and rec.x <= now then expire(rec, base) end
   return rec
 end
@@ -528,8 +545,10 @@ function ops.settle()
   if rec.v ~= req.v then return reply({t = 'retry'}) end
   local held = rec.st == 'held'
   for _, sc in ipairs(req.scopes) do observe_scope(sc) end
-  for _, sc in ipairs(req.scopes) do
-    local s = load_scope(sc)
+  -- Every scope read before the first write.
+  local scopes = {}
+  for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
+  for _, s in ipairs(scopes) do
     for li, L in ipairs(s.lims) do record(s.states[li], L.a or 0) end
     if held then
       s.S.hc = s.S.hc - 1
@@ -616,7 +635,7 @@ end
 function ops.peek()
   local raw = redis.call('GET', req.b .. ':r:' .. req.id)
   if not raw then return reply({t = 'nf'}) end
-  return reply({t = 'ok', rec = unpack(raw), now = now})
+  return reply({t = 'ok', rec = decode(raw, req.b .. ':r:' .. req.id), now = now})
 end
 
 function ops.status()
