@@ -870,8 +870,16 @@ impl Store for RedisStore {
         let mut pipe = redis::pipe();
         for tag in 0..=255u8 {
             let base = self.tenant_base(tag);
-            pipe.cmd("ZRANGE").arg(format!("{base}:x")).arg(0).arg(0).arg("WITHSCORES");
-            pipe.cmd("ZRANGE").arg(format!("{base}:d")).arg(0).arg(0).arg("WITHSCORES");
+            pipe.cmd("ZRANGE")
+                .arg(format!("{base}:x"))
+                .arg(0)
+                .arg(0)
+                .arg("WITHSCORES");
+            pipe.cmd("ZRANGE")
+                .arg(format!("{base}:d"))
+                .arg(0)
+                .arg(0)
+                .arg("WITHSCORES");
         }
         let mut conn = self.conn.clone();
         let firsts: Vec<Vec<(String, f64)>> =
