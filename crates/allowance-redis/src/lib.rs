@@ -231,6 +231,26 @@ impl RedisStore {
         }
     }
 
+    /// The specs of `keys`, each limit told by `fill` what the operation
+    /// asks of or records on its dimension.
+    fn specs(
+        &self,
+        catalog: &Catalog,
+        keys: &[ScopeKey],
+        now_ms: u64,
+        fill: impl Fn(Dimension, &mut LimSpec),
+    ) -> Vec<ScopeSpec> {
+        keys.iter()
+            .map(|k| {
+                let mut s = self.spec(catalog, k, now_ms);
+                for (l, spec) in catalog.plan_for(k).limits().iter().zip(&mut s.lims) {
+                    fill(l.dimension(), spec);
+                }
+                s
+            })
+            .collect()
+    }
+
     fn req<'a>(&'a self, op: &'a str, catalog: &Catalog) -> Req<'a> {
         let s = catalog.settings();
         Req {
@@ -484,17 +504,9 @@ impl Store for RedisStore {
             let prep = prepare_reserve(&catalog, req).map_err(StoreError::Rejected)?;
             let id = ReservationId::mint(self.ids.next_random(), tenant);
             let keys = req.scopes.as_slice();
-            let specs: Vec<ScopeSpec> = keys
-                .iter()
-                .map(|k| {
-                    let mut s = self.spec(&catalog, k, estimate);
-                    let plan = catalog.plan_for(k);
-                    for (l, spec) in plan.limits().iter().zip(&mut s.lims) {
-                        spec.q = Some(prep.requested(l.dimension()));
-                    }
-                    s
-                })
-                .collect();
+            let specs = self.specs(&catalog, keys, estimate, |d, spec| {
+                spec.q = Some(prep.requested(d));
+            });
             let mut r = self.req("reserve", &catalog);
             r.cv = Some(version);
             r.b = Some(base.clone());
@@ -627,18 +639,9 @@ impl Store for RedisStore {
             r.id = Some(id.to_string());
             r.v = rec.v;
             r.c = Some(named(&catalog, &charged));
-            r.scopes = res
-                .scopes
-                .as_slice()
-                .iter()
-                .map(|k| {
-                    let mut s = self.spec(&catalog, k, estimate);
-                    for (l, spec) in catalog.plan_for(k).limits().iter().zip(&mut s.lims) {
-                        spec.a = Some(recorded(l.dimension(), &charged));
-                    }
-                    s
-                })
-                .collect();
+            r.scopes = self.specs(&catalog, res.scopes.as_slice(), estimate, |d, spec| {
+                spec.a = Some(recorded(d, &charged));
+            });
             let reply = self.call(&base, &r).await?;
             if self.again(&reply, &mut estimate).await? {
                 continue;
@@ -712,19 +715,9 @@ impl Store for RedisStore {
             r.v = rec.v;
             r.h = Some(named(&catalog, &delta));
             r.ttl = ttl_ms;
-            r.scopes = res
-                .scopes
-                .as_slice()
-                .iter()
-                .map(|k| {
-                    let mut s = self.spec(&catalog, k, estimate);
-                    for (l, spec) in catalog.plan_for(k).limits().iter().zip(&mut s.lims) {
-                        let d = l.dimension();
-                        spec.q = Some(if d.is_implied() { 0 } else { delta.get(d) });
-                    }
-                    s
-                })
-                .collect();
+            r.scopes = self.specs(&catalog, res.scopes.as_slice(), estimate, |d, spec| {
+                spec.q = Some(if d.is_implied() { 0 } else { delta.get(d) });
+            });
             let reply = self.call(&base, &r).await?;
             if self.again(&reply, &mut estimate).await? {
                 continue;
