@@ -10,22 +10,6 @@ use common::*;
 use serde_json::{Value, json};
 use tokio::task::JoinSet;
 
-const RACE_CONFIG: &str = r#"
-[kinds.tenant]
-plan = "open"
-[kinds.user]
-plan = "daily"
-[plans.open]
-limits = []
-[plans.daily]
-limits = [
-  { dimension = "cost_micros", capacity = 20_000_000, window = "sliding", period = "24h", slices = 24 },
-  { dimension = "concurrent", capacity = 1000 },
-]
-[plans.gauge]
-limits = [{ dimension = "concurrent", capacity = 4 }]
-"#;
-
 /// Fires `n` identical reserves at once; returns the answers.
 async fn simultaneous(s: &Server, n: usize, body: Value) -> Vec<Reply> {
     let mut set = JoinSet::new();

@@ -9,26 +9,10 @@ use common::*;
 use serde_json::{Value, json};
 use tokio::task::JoinSet;
 
-const PLANS: &str = r#"
-[kinds.tenant]
-plan = "open"
-[kinds.user]
-plan = "daily"
-[plans.open]
-limits = []
-[plans.daily]
-limits = [
-  { dimension = "cost_micros", capacity = 20_000_000, window = "sliding", period = "24h", slices = 24 },
-  { dimension = "concurrent", capacity = 1000 },
-]
-[plans.gauge]
-limits = [{ dimension = "concurrent", capacity = 4 }]
-"#;
-
 /// A config on `redis`, and two servers started from it.
 fn pair(redis: &RedisServer, extra: &str) -> (tempfile::TempDir, Server, Server) {
     let toml = format!(
-        "{PLANS}\n[store]\nkind = \"redis\"\nurl = \"{}\"\ntimeout_ms = 300\n{extra}",
+        "{RACE_CONFIG}\n[store]\nkind = \"redis\"\nurl = \"{}\"\ntimeout_ms = 300\n{extra}",
         redis.url()
     );
     let (dir, path) = config_file(&toml);
@@ -225,7 +209,7 @@ async fn redis_down_answers_503_then_recovers() {
 #[test]
 fn fail_open_local_is_refused_at_startup() {
     let toml = format!(
-        "{PLANS}\n[store]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:1/0\"\non_error = \"fail_open_local\"\n"
+        "{RACE_CONFIG}\n[store]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:1/0\"\non_error = \"fail_open_local\"\n"
     );
     let (_dir, path) = config_file(&toml);
     let path = path.to_string_lossy().to_string();

@@ -408,3 +408,21 @@ pub fn serve_until_exit(serve_args: &[&str], bound: Duration) -> Startup {
         }
     }
 }
+
+/// Plans for the race tests: an open tenant, users with a €20 daily
+/// cost cap and a gauge of 1000, and a `gauge` plan of 4 concurrent.
+pub const RACE_CONFIG: &str = r#"
+[kinds.tenant]
+plan = "open"
+[kinds.user]
+plan = "daily"
+[plans.open]
+limits = []
+[plans.daily]
+limits = [
+  { dimension = "cost_micros", capacity = 20_000_000, window = "sliding", period = "24h", slices = 24 },
+  { dimension = "concurrent", capacity = 1000 },
+]
+[plans.gauge]
+limits = [{ dimension = "concurrent", capacity = 4 }]
+"#;
