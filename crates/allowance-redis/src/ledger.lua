@@ -660,6 +660,28 @@ function ops.adjust()
   return reply({t = 'ok', hc = s.S.hc, rem = report({s})})
 end
 
+-- Brings in a reservation that ended elsewhere (admitted and settled while
+-- Redis was unreachable, under fail_open_local): its charges are recorded
+-- on its scopes at its end and it joins the usage log. Idempotent by id.
+function ops.import()
+  if not calendars_hold(req.scopes) then return reply({t = 'cal', now = now}) end
+  local base = req.b
+  local rec = req.rec
+  local rkey = base .. ':r:' .. rec.id
+  if redis.call('EXISTS', rkey) == 1 then return reply({t = 'ok', dup = true}) end
+  for _, sc in ipairs(req.scopes) do observe_scope(sc) end
+  local scopes = {}
+  for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
+  for _, s in ipairs(scopes) do
+    for li, L in ipairs(s.lims) do record(s.states[li], L.a or 0) end
+    save_scope(s)
+  end
+  schedule_drop(base, rec, rec.e)
+  redis.call('SET', rkey, pack(rec))
+  if rec.st ~= 'held' then usage_event(rec.st, rec.e, rec) end
+  return reply({t = 'ok'})
+end
+
 -- The sweeper: one tenant group's due expiries and retention.
 function ops.tick()
   local n = observe_tag(req.b, 1000)

@@ -48,7 +48,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use allowance_core::{
     AdminError, Amounts, Catalog, CatalogChange, Clock, Denial, DenialKind, Dimension, ExtendError,
-    Granted, IdSource, LimitStatus, MAX_USAGE_PAGE, RefundError, Remaining, Reservation,
+    Granted, IdSource, Invalid, LimitStatus, MAX_USAGE_PAGE, RefundError, Remaining, Reservation,
     ReservationId, ReserveError, ReserveRequest, ScopeKey, ScopeStatus, SettleError, Status, Store,
     StoreError, StoreStats, Timestamp, Unavailable, Usage, UsageEvent, UsageKind, UsagePage,
     UsageRecord, WindowKind, check_adjust, check_extend, extend_delta, prepare_reserve,
@@ -458,6 +458,71 @@ impl RedisStore {
 
     fn give_up() -> Unavailable {
         Unavailable("the ledger kept changing under this operation; retry".into())
+    }
+
+    /// Brings in a reservation that ended outside Redis (admitted under
+    /// `fail_open_local` while Redis was unreachable, then settled, refunded
+    /// or expired locally): a settled one's charges are recorded on its
+    /// scopes (at the time of the import) and every one joins the usage log
+    /// with its own end instant. Idempotent by id: importing it again
+    /// changes nothing. A HELD reservation is refused (end it first).
+    pub async fn import_ended(&self, res: &Reservation) -> Result<(), StoreError<Invalid>> {
+        if res.status == Status::Held {
+            return Err(StoreError::Rejected(Invalid::new(
+                "status",
+                "only an ended reservation can be imported",
+            )));
+        }
+        let tenant = res.scopes.tenant_name();
+        let base = self.tenant_base(ReservationId::tenant_tag(tenant));
+        if res.id.tag() != ReservationId::tenant_tag(tenant) {
+            return Err(StoreError::Rejected(Invalid::new(
+                "id",
+                "the id was not minted for this tenant",
+            )));
+        }
+        let charged = res.charged.clone().unwrap_or_default();
+        let mut estimate = self.estimate_ms();
+        for _ in 0..MAX_ATTEMPTS {
+            let (catalog, version) = self.snapshot();
+            let keys = res.scopes.as_slice();
+            let settled = res.status == Status::Settled;
+            let specs = self.specs(&catalog, keys, estimate, |d, spec| {
+                spec.a = Some(if settled { recorded(d, &charged) } else { 0 });
+            });
+            let mut r = self.req("import", &catalog);
+            r.cv = Some(version);
+            r.b = Some(base.clone());
+            r.rec = Some(Rec {
+                id: res.id.to_string(),
+                st: res.status.as_str().to_string(),
+                sc: keys.iter().map(|k| k.as_str().to_string()).collect(),
+                sb: specs.iter().map(|s| s.b.clone()).collect(),
+                tn: tenant.to_string(),
+                m: res.model.as_deref().map(str::to_string),
+                lb: res.labels.as_ref().map(|l| l.to_vec()),
+                h: named(&catalog, &res.held),
+                cr: Some(res.created_at.as_millis()),
+                x: Some(res.expires_at.as_millis()),
+                e: Some(res.ended_at.unwrap_or(res.expires_at).as_millis()),
+                c: res.charged.as_ref().map(|c| named(&catalog, c)),
+                late: res.late.then_some(true),
+                ov: overrun_name(res.overrun),
+                ik: None,
+                fp: None,
+                v: Some(1),
+            });
+            r.scopes = specs;
+            let reply = self.call(&base, &r).await?;
+            if self.again(&reply, &mut estimate).await? {
+                continue;
+            }
+            return match reply.t.as_str() {
+                "ok" => Ok(()),
+                t => Err(Self::corrupt(format!("an answer {t:?} to an import")).into()),
+            };
+        }
+        Err(Self::give_up().into())
     }
 
     /// Sums a per-group counter over the 256 tenant groups.
