@@ -13,7 +13,8 @@
 -- 0 ≤ f < period, so refills and retry times stay exact integers.
 --
 -- Keys (B = prefix .. "{t<tenant tag, 2 hex>}", SB = B, or
--- prefix .. "{s:<name>}" for a shared scope):
+-- prefix .. "{s<tag of the scope's name, 2 hex>}" for a shared scope; every
+-- group, tenant or shared, also has G:cv and G:u below):
 --   B:r:<id>      a reservation record (MessagePack)
 --   B:x           zset: HELD reservations by expiry
 --   B:d           zset: ended reservations by the instant they are forgotten
@@ -21,8 +22,9 @@
 --   B:n           hash: held (HELD reservations), expired (ever)
 --   SB:s:<scope>  a scope: {at, hc, h = held per dimension, l = windows}
 --   SB:h:<scope>  zset: the scope's HELD reservations by expiry
---   prefix..cat   list: the catalog's admin changes (its length: the version)
---   prefix..u     stream: the usage log
+--   G:cv          the catalog version this group has been told of
+--   G:u           stream: the group's part of the usage log
+--   prefix{c}:cat list: the catalog's admin changes (its length: the version)
 
 local req = cmsgpack.unpack(ARGV[1])
 local P = req.p
@@ -314,7 +316,7 @@ local function base_of(id)
 end
 
 local function usage_event(kind, at, rec)
-  redis.call('XADD', P .. 'u', 'MAXLEN', '~', I(req.um), '*', 'k', kind, 'at', I(at), 'r', pack(rec))
+  redis.call('XADD', base_of(rec.id) .. ':u', 'MAXLEN', '~', I(req.um), '*', 'k', kind, 'at', I(at), 'r', pack(rec))
 end
 
 -- Queues an ended reservation to be forgotten after its retention.
@@ -655,7 +657,7 @@ function ops.adjust()
     if L.k == 't' and L.d == req.d then s.states[li].u = s.states[li].u - req.credit end
   end
   save_scope(s)
-  redis.call('XADD', P .. 'u', 'MAXLEN', '~', I(req.um), '*', 'k', 'adjusted', 'at', I(now),
+  redis.call('XADD', sc.b .. ':u', 'MAXLEN', '~', I(req.um), '*', 'k', 'adjusted', 'at', I(now),
     'a', pack({s = sc.n, d = req.d, c = req.credit, w = req.reason, tn = req.tn}))
   return reply({t = 'ok', hc = s.S.hc, rem = report({s})})
 end
@@ -691,17 +693,37 @@ end
 -- Appends an admin change to the shared catalog if the caller saw the
 -- latest version (a compare-and-set: changes apply in one order everywhere).
 function ops.catalog()
-  local v = redis.call('LLEN', P .. 'cat')
+  local key = P .. '{c}:cat'
+  local v = redis.call('LLEN', key)
   if v ~= req.cv then return reply({t = 'stale', cv = v}) end
-  redis.call('RPUSH', P .. 'cat', req.change)
+  redis.call('RPUSH', key, req.change)
   return reply({t = 'ok', cv = v + 1})
+end
+
+-- Tells a group of a catalog version (never moves it back).
+function ops.bump()
+  local key = req.b .. ':cv'
+  local v = tonumber(redis.call('GET', key) or '0')
+  if v < req.cv then redis.call('SET', key, I(req.cv)) end
+  return reply({t = 'ok'})
+end
+
+-- One group's part of the usage log after `start`, with the server's
+-- instant read in the same atomic step: every entry it will ever add has a
+-- later id (a plain table, not MessagePack: the entries are binary).
+function ops.usage()
+  local t = redis.call('TIME')
+  local ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local entries = redis.call('XRANGE', req.b .. ':u', req.start, '+', 'COUNT', req.n)
+  return {ms, entries}
 end
 
 local op = ops[req.op]
 if not op then return redis.error_reply('allowance: unknown operation ' .. tostring(req.op)) end
-if req.op ~= 'catalog' and req.cv then
-  -- The catalog this instance resolved limits with must be the latest.
-  local v = redis.call('LLEN', P .. 'cat')
-  if v ~= req.cv then return reply({t = 'stale', cv = v}) end
+if req.cv and req.op ~= 'catalog' and req.op ~= 'bump' then
+  -- The catalog this instance resolved limits with must not be older than
+  -- the one this group was told of.
+  local v = tonumber(redis.call('GET', KEYS[1] .. ':cv') or '0')
+  if v > req.cv then return reply({t = 'stale', cv = v}) end
 end
 return op()

@@ -211,11 +211,31 @@ impl RedisStore {
         format!("{}{{t{tag:02x}}}", self.prefix)
     }
 
+    /// The key base of a shared-scope group.
+    fn shared_base(&self, tag: u8) -> String {
+        format!("{}{{s{tag:02x}}}", self.prefix)
+    }
+
+    /// The base of every group: the 256 tenant groups (numbered 0–255),
+    /// then the 256 shared-scope groups (256–511).
+    fn group_base(&self, group: u16) -> String {
+        if group < 256 {
+            self.tenant_base(group as u8)
+        } else {
+            self.shared_base((group - 256) as u8)
+        }
+    }
+
     fn scope_base(&self, key: &ScopeKey) -> String {
         match key.tenant_name() {
             Some(t) if !key.is_shared() => self.tenant_base(ReservationId::tenant_tag(t)),
-            _ => format!("{}{{s:{}}}", self.prefix, key.as_str()),
+            _ => self.shared_base(ReservationId::tenant_tag(key.as_str())),
         }
+    }
+
+    /// The catalog's list of admin changes.
+    fn catalog_key(&self) -> String {
+        format!("{}{{c}}:cat", self.prefix)
     }
 
     fn spec(&self, catalog: &Catalog, key: &ScopeKey, now_ms: u64) -> ScopeSpec {
@@ -295,7 +315,7 @@ impl RedisStore {
         let changes: Vec<String> = tokio::time::timeout(
             self.timeout,
             redis::cmd("LRANGE")
-                .arg(format!("{}cat", self.prefix))
+                .arg(self.catalog_key())
                 .arg(version)
                 .arg(-1)
                 .query_async(&mut conn),
@@ -525,37 +545,78 @@ impl RedisStore {
         Err(Self::give_up().into())
     }
 
+    /// Tells every group of catalog version `version`.
+    async fn bump_all(&self, catalog: &Catalog, version: u64) -> Result<(), Unavailable> {
+        let calls = (0..512u16).map(|g| {
+            let base = self.group_base(g);
+            async move {
+                let mut r = self.req("bump", catalog);
+                r.b = Some(base.clone());
+                r.cv = Some(version);
+                self.call(&base, &r).await
+            }
+        });
+        for reply in futures_util::future::join_all(calls).await {
+            reply?;
+        }
+        Ok(())
+    }
+
+    /// One command per key, all in flight at once (keys in any slots).
+    async fn each<T: redis::FromRedisValue>(
+        &self,
+        cmds: Vec<redis::Cmd>,
+    ) -> Result<Vec<T>, Unavailable> {
+        let calls = cmds.into_iter().map(|cmd| {
+            let mut conn = self.conn.clone();
+            async move { cmd.query_async::<T>(&mut conn).await }
+        });
+        let all = tokio::time::timeout(self.timeout, futures_util::future::join_all(calls))
+            .await
+            .map_err(|_| Unavailable("redis did not answer in time".into()))?;
+        all.into_iter().map(|r| r.map_err(unavailable)).collect()
+    }
+
     /// Sums a per-group counter over the 256 tenant groups.
     async fn sum_counter(&self, field: &str) -> Result<u64, Unavailable> {
-        let mut pipe = redis::pipe();
-        for tag in 0..=255u8 {
-            pipe.cmd("HGET")
-                .arg(format!("{}:n", self.tenant_base(tag)))
-                .arg(field);
-        }
-        let mut conn = self.conn.clone();
-        let values: Vec<Option<i64>> =
-            tokio::time::timeout(self.timeout, pipe.query_async(&mut conn))
-                .await
-                .map_err(|_| Unavailable("redis did not answer in time".into()))?
-                .map_err(unavailable)?;
+        let cmds = (0..=255u8)
+            .map(|tag| {
+                let mut c = redis::cmd("HGET");
+                c.arg(format!("{}:n", self.tenant_base(tag))).arg(field);
+                c
+            })
+            .collect();
+        let values: Vec<Option<i64>> = self.each(cmds).await?;
         Ok(values.into_iter().flatten().map(|v| v.max(0) as u64).sum())
+    }
+
+    /// One group's part of the usage log after `start` (at most `n`
+    /// entries), and the server's instant when it was read.
+    async fn usage_part(
+        &self,
+        catalog: &Catalog,
+        group: u16,
+        start: String,
+        n: usize,
+    ) -> Result<(u64, redis::streams::StreamRangeReply), Unavailable> {
+        let base = self.group_base(group);
+        let mut r = self.req("usage", catalog);
+        r.b = Some(base.clone());
+        r.start = Some(start);
+        r.n = Some(n as u64);
+        let body = rmp_serde::to_vec_named(&r).map_err(unavailable)?;
+        let mut conn = self.conn.clone();
+        let mut inv = self.script.key(&base);
+        inv.arg(body);
+        tokio::time::timeout(self.timeout, inv.invoke_async(&mut conn))
+            .await
+            .map_err(|_| Unavailable("redis did not answer in time".into()))?
+            .map_err(unavailable)
     }
 }
 
 fn sat(v: i128) -> i64 {
     v.clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64
-}
-
-/// A usage stream entry id (`ms-seq`) as a cursor: ms · 2^20 + seq.
-fn cursor_of(id: &str) -> Option<u64> {
-    let (ms, seq) = id.split_once('-')?;
-    let (ms, seq): (u64, u64) = (ms.parse().ok()?, seq.parse().ok()?);
-    (seq < 1 << 20).then_some((ms << 20) | seq)
-}
-
-fn stream_id(cursor: u64) -> String {
-    format!("{}-{}", cursor >> 20, cursor & ((1 << 20) - 1))
 }
 
 #[async_trait]
@@ -898,15 +959,20 @@ impl Store for RedisStore {
             r.cv = Some(version);
             r.change = Some(text.clone());
             r.now = None;
-            let reply = self.call(&format!("{}cat", self.prefix), &r).await?;
+            let reply = self.call(&self.catalog_key(), &r).await?;
             match reply.t.as_str() {
                 "stale" => self.catch_up().await?,
                 "ok" => {
-                    let mut cur = self.current.write();
-                    if cur.version == version {
-                        cur.catalog = Arc::new(next);
-                        cur.version = version + 1;
+                    {
+                        let mut cur = self.current.write();
+                        if cur.version == version {
+                            cur.catalog = Arc::new(next);
+                            cur.version = version + 1;
+                        }
                     }
+                    // Every group learns of the new version, so every
+                    // instance's next operation there catches up first.
+                    self.bump_all(&catalog, version + 1).await?;
                     return Ok(());
                 }
                 t => {
@@ -925,26 +991,20 @@ impl Store for RedisStore {
         // retention end; only the groups with something due get a script.
         // (By this instance's clock: a skewed one delays the sweep by its
         // skew, never an operation's own expiry, which the script observes.)
-        let mut pipe = redis::pipe();
-        for tag in 0..=255u8 {
-            let base = self.tenant_base(tag);
-            pipe.cmd("ZRANGE")
-                .arg(format!("{base}:x"))
-                .arg(0)
-                .arg(0)
-                .arg("WITHSCORES");
-            pipe.cmd("ZRANGE")
-                .arg(format!("{base}:d"))
-                .arg(0)
-                .arg(0)
-                .arg("WITHSCORES");
-        }
-        let mut conn = self.conn.clone();
-        let firsts: Vec<Vec<(String, f64)>> =
-            tokio::time::timeout(self.timeout, pipe.query_async(&mut conn))
-                .await
-                .map_err(|_| Unavailable("redis did not answer in time".into()))?
-                .map_err(unavailable)?;
+        let cmds = (0..=255u8)
+            .flat_map(|tag| {
+                let base = self.tenant_base(tag);
+                ["x", "d"].map(|set| {
+                    let mut c = redis::cmd("ZRANGE");
+                    c.arg(format!("{base}:{set}"))
+                        .arg(0)
+                        .arg(0)
+                        .arg("WITHSCORES");
+                    c
+                })
+            })
+            .collect();
+        let firsts: Vec<Vec<(String, f64)>> = self.each(cmds).await?;
         let now = self.estimate_ms() as f64;
         let due: Vec<u8> = (0..=255u8)
             .filter(|&tag| {
@@ -985,51 +1045,109 @@ impl Store for RedisStore {
     ) -> Result<UsagePage, Unavailable> {
         let (catalog, _) = self.snapshot();
         let limit = limit.clamp(1, MAX_USAGE_PAGE);
-        let key = format!("{}u", self.prefix);
-        let mut after = since;
-        let mut records = Vec::new();
-        let mut conn = self.conn.clone();
-        'scan: loop {
-            let start = after.map_or_else(|| "-".to_string(), |c| format!("({}", stream_id(c)));
-            let batch: redis::streams::StreamRangeReply = tokio::time::timeout(
-                self.timeout,
-                redis::cmd("XRANGE")
-                    .arg(&key)
-                    .arg(start)
-                    .arg("+")
-                    .arg("COUNT")
-                    .arg(limit)
-                    .query_async(&mut conn),
-            )
-            .await
-            .map_err(|_| Unavailable("redis did not answer in time".into()))?
-            .map_err(unavailable)?;
-            let n = batch.ids.len();
-            for entry in batch.ids {
-                let cursor = cursor_of(&entry.id)
-                    .ok_or_else(|| Self::corrupt(format!("a usage entry id {:?}", entry.id)))?;
-                after = Some(cursor);
-                let event = self.usage_event(&catalog, &entry)?;
-                if tenant.is_none_or(|t| event.tenant() == Some(t)) {
-                    records.push(UsageRecord { cursor, event });
-                    if records.len() == limit {
-                        break 'scan;
+        // A tenant's records are all in its group; all tenants: every group.
+        let groups: Vec<u16> = match tenant {
+            Some(t) => vec![u16::from(ReservationId::tenant_tag(t))],
+            None => (0..512).collect(),
+        };
+        let after = since.map(UsagePos::of);
+        for attempt in 0..20 {
+            let parts = futures_util::future::join_all(groups.iter().map(|&g| {
+                let start = match after {
+                    None => "-".to_string(),
+                    // Positions order by (ms, seq, group): a later group
+                    // may hold the cursor's own id, an earlier one not.
+                    Some(c) if g > c.group => format!("{}-{}", c.ms, c.seq),
+                    Some(c) => format!("({}-{}", c.ms, c.seq),
+                };
+                self.usage_part(&catalog, g, start, limit)
+            }))
+            .await;
+            // Complete below `horizon`: no group will ever add an entry
+            // before the instant it was read at, nor (for a group that
+            // filled its batch) before its last entry read.
+            let mut horizon = u64::MAX;
+            let mut entries = Vec::new();
+            for (&g, part) in groups.iter().zip(parts) {
+                let (read_at_ms, range) = part?;
+                horizon = horizon.min(
+                    UsagePos {
+                        ms: read_at_ms,
+                        seq: 0,
+                        group: 0,
                     }
+                    .cursor(),
+                );
+                let full = range.ids.len() == limit;
+                for entry in range.ids {
+                    let pos = UsagePos::from_id(&entry.id, g)
+                        .ok_or_else(|| Self::corrupt(format!("a usage entry id {:?}", entry.id)))?;
+                    entries.push((pos.cursor(), entry));
+                }
+                if full && let Some((last, _)) = entries.last() {
+                    horizon = horizon.min(*last + 1);
                 }
             }
-            if n < limit {
-                break;
+            entries.sort_by_key(|(c, _)| *c);
+            let waiting = entries.iter().any(|(c, _)| *c >= horizon);
+            let mut page = UsagePage {
+                records: Vec::new(),
+                next_cursor: since.unwrap_or(0),
+            };
+            for (cursor, entry) in entries.into_iter().take_while(|(c, _)| *c < horizon) {
+                if page.records.len() == limit {
+                    break;
+                }
+                let event = self.usage_event(&catalog, &entry)?;
+                page.next_cursor = cursor;
+                if tenant.is_none_or(|t| event.tenant() == Some(t)) {
+                    page.records.push(UsageRecord { cursor, event });
+                }
             }
+            if page.records.is_empty() {
+                page.next_cursor = since.unwrap_or(0);
+                // Entries written in the very millisecond of the read are
+                // not final yet: wait for the next one rather than answer
+                // an empty page while records exist.
+                if waiting && attempt < 19 {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    continue;
+                }
+            }
+            return Ok(page);
         }
-        let next_cursor = if records.is_empty() {
-            since.unwrap_or(0)
-        } else {
-            after.unwrap_or(0)
-        };
-        Ok(UsagePage {
-            records,
-            next_cursor,
-        })
+        unreachable!("the loop returns on its last attempt")
+    }
+}
+
+/// A usage record's place in the merged log: its stream id and group,
+/// ordered by (ms, seq, group) and packed into the u64 cursor as
+/// `ms · 2^22 + seq · 2^9 + group` (ms fits 42 bits until 2109; a group
+/// adds far fewer than 8192 entries in one millisecond).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct UsagePos {
+    ms: u64,
+    seq: u64,
+    group: u16,
+}
+
+impl UsagePos {
+    fn from_id(id: &str, group: u16) -> Option<UsagePos> {
+        let (ms, seq) = id.split_once('-')?;
+        let (ms, seq): (u64, u64) = (ms.parse().ok()?, seq.parse().ok()?);
+        (seq < 1 << 13 && ms < 1 << 42).then_some(UsagePos { ms, seq, group })
+    }
+
+    fn of(cursor: u64) -> UsagePos {
+        UsagePos {
+            ms: cursor >> 22,
+            seq: (cursor >> 9) & ((1 << 13) - 1),
+            group: (cursor & 511) as u16,
+        }
+    }
+
+    fn cursor(self) -> u64 {
+        (self.ms << 22) | (self.seq << 9) | u64::from(self.group)
     }
 }
 
@@ -1089,11 +1207,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn cursors_round_trip_stream_ids() {
-        let c = cursor_of("1764460800123-7").unwrap();
-        assert_eq!(stream_id(c), "1764460800123-7");
-        assert!(cursor_of("1-1048576").is_none());
-        assert!(cursor_of("x-1").is_none());
-        assert!(cursor_of("17").is_none());
+    fn usage_positions_round_trip_and_order() {
+        let p = UsagePos::from_id("1764460800123-7", 300).unwrap();
+        assert_eq!(UsagePos::of(p.cursor()), p);
+        let q = UsagePos::from_id("1764460800123-7", 301).unwrap();
+        let r = UsagePos::from_id("1764460800123-8", 0).unwrap();
+        let t = UsagePos::from_id("1764460800124-0", 0).unwrap();
+        assert!(p.cursor() < q.cursor() && q.cursor() < r.cursor() && r.cursor() < t.cursor());
+        assert!(UsagePos::from_id("1-8192", 0).is_none());
+        assert!(UsagePos::from_id("x-1", 0).is_none());
+        assert!(UsagePos::from_id("17", 0).is_none());
     }
 }

@@ -65,6 +65,11 @@ pub(crate) struct Req<'a> {
     pub reason: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub change: Option<String>,
+    /// A usage read: the first stream id (XRANGE syntax) and how many.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub start: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub n: Option<u64>,
 }
 
 /// A scope and its current plan's limits, resolved by the Rust side.
