@@ -43,6 +43,7 @@
 
 mod wire;
 
+
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -123,7 +124,8 @@ struct Current {
 
 /// A [`Store`] on Redis. Cheap to share: one multiplexed connection.
 pub struct RedisStore {
-    conn: ConnectionManager,
+    conn: Conn,
+    cluster: bool,
     script: redis::Script,
     prefix: String,
     clock: Option<Arc<dyn Clock>>,
@@ -131,6 +133,45 @@ pub struct RedisStore {
     current: RwLock<Current>,
     timeout: Duration,
     usage_max: u64,
+}
+
+/// One multiplexed connection: to a single node (re-established by
+/// itself), or to a cluster (routed by each command's first key).
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl redis::aio::ConnectionLike for Conn {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
 }
 
 fn unavailable(e: impl std::fmt::Display) -> Unavailable {
@@ -164,13 +205,39 @@ impl RedisStore {
             url: options.url.clone(),
             why,
         };
-        let conn =
+        let single =
             tokio::time::timeout(timeout, ConnectionManager::new_with_config(client, config))
                 .await
                 .map_err(|_| unreachable(format!("no answer within {} ms", timeout.as_millis())))?
                 .map_err(|e| unreachable(e.to_string()))?;
+        // A cluster node says so; the cluster client then finds the others.
+        let info: String = tokio::time::timeout(
+            timeout,
+            redis::cmd("INFO")
+                .arg("cluster")
+                .query_async(&mut single.clone()),
+        )
+        .await
+        .map_err(|_| unreachable(format!("no answer within {} ms", timeout.as_millis())))?
+        .map_err(|e| unreachable(e.to_string()))?;
+        let cluster = info.lines().any(|l| l.trim() == "cluster_enabled:1");
+        let conn = if cluster {
+            let client = redis::cluster::ClusterClient::builder(vec![options.url.as_str()])
+                .connection_timeout(timeout)
+                .response_timeout(timeout)
+                .build()
+                .map_err(|e| ConnectError::Url(e.to_string()))?;
+            let c = tokio::time::timeout(timeout * 5, client.get_async_connection())
+                .await
+                .map_err(|_| unreachable("the cluster did not answer in time".into()))?
+                .map_err(|e| unreachable(e.to_string()))?;
+            Conn::Cluster(c)
+        } else {
+            Conn::Single(single)
+        };
         let store = RedisStore {
             conn,
+            cluster,
             script: redis::Script::new(LEDGER_LUA),
             prefix: options.prefix,
             clock,
@@ -189,6 +256,11 @@ impl RedisStore {
     /// The key prefix.
     pub fn prefix(&self) -> &str {
         &self.prefix
+    }
+
+    /// Whether the server is a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        self.cluster
     }
 
     fn now_ms(&self) -> Option<u64> {
@@ -628,6 +700,18 @@ impl Store for RedisStore {
         for _ in 0..MAX_ATTEMPTS {
             let (catalog, version) = self.snapshot();
             let prep = prepare_reserve(&catalog, req).map_err(StoreError::Rejected)?;
+            if self.cluster
+                && let Some(shared) = req.scopes.as_slice().iter().find(|k| k.is_shared())
+            {
+                // A shared scope lives in another hash slot than the
+                // tenant's keys: one atomic script cannot hold both there.
+                return Err(StoreError::Rejected(ReserveError::Invalid(Invalid::new(
+                    "scopes",
+                    format!(
+                        "{shared} is a shared scope, and shared scopes are not available on Redis Cluster in this version (they are on a single Redis node)"
+                    ),
+                ))));
+            }
             let id = ReservationId::mint(self.ids.next_random(), tenant);
             let keys = req.scopes.as_slice();
             let specs = self.specs(&catalog, keys, estimate, |d, spec| {
