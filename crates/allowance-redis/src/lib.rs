@@ -28,16 +28,16 @@
 //!   is due among what it touches, and [`Store::expire_due`] sweeps the 256
 //!   groups. Nothing scans all reservations or scopes.
 //! - **Catalog** — admin changes are appended to a list in Redis with a
-//!   compare-and-set on its length; every script call carries the length
-//!   its limits were resolved with and is refused (before any write) when
-//!   another instance changed the catalog, so a change applies everywhere
-//!   by each instance's next operation.
-//! - **Usage log** — a Redis stream written by the same scripts; its
-//!   entry ids become cursors.
-//!
-//! Single node only for now: the catalog list, the usage stream and shared
-//! scopes live in other hash slots than a tenant's keys (see
-//! docs/REDIS-STORE.md).
+//!   compare-and-set on its length, then every group is told the new
+//!   version; every script call carries the version its limits were
+//!   resolved with and is refused (before any write) when its group knows
+//!   a newer one, so a change applies everywhere by each instance's next
+//!   operation.
+//! - **Usage log** — a stream per group written by the same scripts, read
+//!   as one log merged by entry id.
+//! - **Cluster** — detected at connect; each script runs in one group's
+//!   slot. Reservations on shared scopes are refused on a cluster in this
+//!   version (see docs/REDIS-STORE.md).
 
 #![forbid(unsafe_code)]
 
