@@ -23,7 +23,8 @@
 --   SB:s:<scope>  a scope: {at, hc, h = held per dimension, l = windows}
 --   SB:h:<scope>  zset: the scope's HELD reservations by expiry
 --   G:cv          the catalog version this group has been told of
---   G:u           stream: the group's part of the usage log
+--   G:u           stream: the group's part of the usage log (a cluster;
+--                 a single node keeps one stream, prefix{u}:u)
 --   prefix{c}:cat list: the catalog's admin changes (its length: the version)
 
 local req = cmsgpack.unpack(ARGV[1])
@@ -315,8 +316,15 @@ local function base_of(id)
   return P .. '{t' .. string.sub(id, -2) .. '}'
 end
 
+-- The usage stream an event of a group goes to: on a single node one
+-- stream for all (commit order exactly); on a cluster the group's own.
+local function usage_key(group_base)
+  if req.cl then return group_base .. ':u' end
+  return P .. '{u}:u'
+end
+
 local function usage_event(kind, at, rec)
-  redis.call('XADD', base_of(rec.id) .. ':u', 'MAXLEN', '~', I(req.um), '*', 'k', kind, 'at', I(at), 'r', pack(rec))
+  redis.call('XADD', usage_key(base_of(rec.id)), 'MAXLEN', '~', I(req.um), '*', 'k', kind, 'at', I(at), 'r', pack(rec))
 end
 
 -- Queues an ended reservation to be forgotten after its retention.
@@ -657,7 +665,7 @@ function ops.adjust()
     if L.k == 't' and L.d == req.d then s.states[li].u = s.states[li].u - req.credit end
   end
   save_scope(s)
-  redis.call('XADD', sc.b .. ':u', 'MAXLEN', '~', I(req.um), '*', 'k', 'adjusted', 'at', I(now),
+  redis.call('XADD', usage_key(sc.b), 'MAXLEN', '~', I(req.um), '*', 'k', 'adjusted', 'at', I(now),
     'a', pack({s = sc.n, d = req.d, c = req.credit, w = req.reason, tn = req.tn}))
   return reply({t = 'ok', hc = s.S.hc, rem = report({s})})
 end
@@ -714,7 +722,7 @@ end
 function ops.usage()
   local t = redis.call('TIME')
   local ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local entries = redis.call('XRANGE', req.b .. ':u', req.start, '+', 'COUNT', req.n)
+  local entries = redis.call('XRANGE', usage_key(req.b), req.start, '+', 'COUNT', req.n)
   return {ms, entries}
 end
 

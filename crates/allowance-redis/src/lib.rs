@@ -133,7 +133,13 @@ pub struct RedisStore {
     current: RwLock<Current>,
     timeout: Duration,
     usage_max: u64,
+    /// Records of reservations this instance granted and has not seen end
+    /// (bounded: cleared when full), so their settle costs one round trip.
+    recent: parking_lot::Mutex<std::collections::HashMap<ReservationId, Rec>>,
 }
+
+/// How many granted records an instance remembers for one-round-trip settles.
+const RECENT_RECORDS: usize = 65_536;
 
 /// One multiplexed connection: to a single node (re-established by
 /// itself), or to a cluster (routed by each command's first key).
@@ -248,9 +254,23 @@ impl RedisStore {
             }),
             timeout,
             usage_max: options.usage_max_records.max(1),
+            recent: parking_lot::Mutex::default(),
         };
         store.catch_up().await.map_err(|e| unreachable(e.0))?;
         Ok(store)
+    }
+
+    /// Remembers a record this instance granted (or extended).
+    fn remember(&self, rec: &Rec) {
+        let Some(id) = ReservationId::parse(&rec.id) else {
+            return;
+        };
+        let mut recent = self.recent.lock();
+        if recent.len() >= RECENT_RECORDS {
+            // Forgetting only costs the read it would have saved.
+            recent.clear();
+        }
+        recent.insert(id, rec.clone());
     }
 
     /// The key prefix.
@@ -348,6 +368,7 @@ impl RedisStore {
         Req {
             op,
             p: &self.prefix,
+            cl: self.cluster,
             now: self.now_ms(),
             re: s.ended_retention_ms,
             ri: s.idempotency_retention_ms,
@@ -798,6 +819,9 @@ impl Store for RedisStore {
                         .as_ref()
                         .ok_or_else(|| Self::corrupt("a grant without its record".into()))?;
                     let res = self.reservation(&catalog, rec)?;
+                    if res.status == Status::Held {
+                        self.remember(rec);
+                    }
                     let remaining = if reply.replay == Some(true) || !req.report_remaining {
                         Vec::new()
                     } else {
@@ -827,22 +851,40 @@ impl Store for RedisStore {
     ) -> Result<Reservation, StoreError<SettleError>> {
         let base = self.tenant_base(id.tag());
         let mut estimate = self.estimate_ms();
+        // The record this instance granted, if it still remembers it: the
+        // read is skipped (the script refuses if an extend changed it).
+        let mut remembered = self.recent.lock().remove(&id);
         for _ in 0..MAX_ATTEMPTS {
             let (catalog, version) = self.snapshot();
-            let Some(rec) = self.peek(&catalog, id).await? else {
-                return Err(StoreError::Rejected(SettleError::NotFound));
-            };
-            let res = self.reservation(&catalog, &rec)?;
-            match res.status {
-                Status::Settled => return Ok(res),
-                Status::Refunded => {
-                    return Err(StoreError::Rejected(SettleError::Conflict {
-                        status: res.status,
-                    }));
+            let (rec, res, charged) = match remembered.take() {
+                Some(rec) => {
+                    let res = self.reservation(&catalog, &rec)?;
+                    match settle_charges(&catalog, &res, usage) {
+                        Ok(charged) => (rec, res, charged),
+                        // The read decides which answer comes first (a
+                        // settled reservation answers even a bad usage).
+                        Err(_) => continue,
+                    }
                 }
-                Status::Held | Status::Expired => {}
-            }
-            let charged = settle_charges(&catalog, &res, usage).map_err(StoreError::Rejected)?;
+                None => {
+                    let Some(rec) = self.peek(&catalog, id).await? else {
+                        return Err(StoreError::Rejected(SettleError::NotFound));
+                    };
+                    let res = self.reservation(&catalog, &rec)?;
+                    match res.status {
+                        Status::Settled => return Ok(res),
+                        Status::Refunded => {
+                            return Err(StoreError::Rejected(SettleError::Conflict {
+                                status: res.status,
+                            }));
+                        }
+                        Status::Held | Status::Expired => {}
+                    }
+                    let charged =
+                        settle_charges(&catalog, &res, usage).map_err(StoreError::Rejected)?;
+                    (rec, res, charged)
+                }
+            };
             let mut r = self.req("settle", &catalog);
             r.cv = Some(version);
             r.b = Some(base.clone());
@@ -877,6 +919,7 @@ impl Store for RedisStore {
     async fn refund(&self, id: ReservationId) -> Result<Reservation, StoreError<RefundError>> {
         let base = self.tenant_base(id.tag());
         let (catalog, _) = self.snapshot();
+        self.recent.lock().remove(&id);
         let mut r = self.req("refund", &catalog);
         r.b = Some(base.clone());
         r.id = Some(id.to_string());
@@ -905,6 +948,7 @@ impl Store for RedisStore {
     ) -> Result<Reservation, StoreError<ExtendError>> {
         let base = self.tenant_base(id.tag());
         let mut estimate = self.estimate_ms();
+        self.recent.lock().remove(&id);
         for _ in 0..MAX_ATTEMPTS {
             let (catalog, version) = self.snapshot();
             check_extend(&catalog, amounts, ttl_ms).map_err(StoreError::Rejected)?;
@@ -952,7 +996,9 @@ impl Store for RedisStore {
                         .rec
                         .as_ref()
                         .ok_or_else(|| Self::corrupt("an extend without its record".into()))?;
-                    Ok(self.reservation(&catalog, rec)?)
+                    let res = self.reservation(&catalog, rec)?;
+                    self.remember(rec);
+                    Ok(res)
                 }
                 t => Err(Self::corrupt(format!("an answer {t:?} to an extend")).into()),
             };
@@ -1130,12 +1176,16 @@ impl Store for RedisStore {
         let (catalog, _) = self.snapshot();
         let limit = limit.clamp(1, MAX_USAGE_PAGE);
         // A tenant's records are all in its group; all tenants: every group.
+        // On a single node one stream holds every record (group 0); on a
+        // cluster a tenant's records are all in its group's stream.
         let groups: Vec<u16> = match tenant {
+            _ if !self.cluster => vec![0],
             Some(t) => vec![u16::from(ReservationId::tenant_tag(t))],
             None => (0..512).collect(),
         };
-        let after = since.map(UsagePos::of);
-        for attempt in 0..20 {
+        let mut after = since.map(UsagePos::of);
+        let mut waits = 0;
+        loop {
             let parts = futures_util::future::join_all(groups.iter().map(|&g| {
                 let start = match after {
                     None => "-".to_string(),
@@ -1152,6 +1202,7 @@ impl Store for RedisStore {
             // filled its batch) before its last entry read.
             let mut horizon = u64::MAX;
             let mut entries = Vec::new();
+            let mut any_full = false;
             for (&g, part) in groups.iter().zip(parts) {
                 let (read_at_ms, range) = part?;
                 horizon = horizon.min(
@@ -1163,6 +1214,7 @@ impl Store for RedisStore {
                     .cursor(),
                 );
                 let full = range.ids.len() == limit;
+                any_full |= full;
                 for entry in range.ids {
                     let pos = UsagePos::from_id(&entry.id, g)
                         .ok_or_else(|| Self::corrupt(format!("a usage entry id {:?}", entry.id)))?;
@@ -1178,29 +1230,36 @@ impl Store for RedisStore {
                 records: Vec::new(),
                 next_cursor: since.unwrap_or(0),
             };
+            let mut scanned = None;
             for (cursor, entry) in entries.into_iter().take_while(|(c, _)| *c < horizon) {
                 if page.records.len() == limit {
                     break;
                 }
                 let event = self.usage_event(&catalog, &entry)?;
                 page.next_cursor = cursor;
+                scanned = Some(cursor);
                 if tenant.is_none_or(|t| event.tenant() == Some(t)) {
                     page.records.push(UsageRecord { cursor, event });
                 }
             }
             if page.records.is_empty() {
                 page.next_cursor = since.unwrap_or(0);
+                // A full batch of other tenants' records: read on past it.
+                if any_full && let Some(c) = scanned {
+                    after = Some(UsagePos::of(c));
+                    continue;
+                }
                 // Entries written in the very millisecond of the read are
                 // not final yet: wait for the next one rather than answer
                 // an empty page while records exist.
-                if waiting && attempt < 19 {
+                if waiting && waits < 20 {
+                    waits += 1;
                     tokio::time::sleep(Duration::from_millis(1)).await;
                     continue;
                 }
             }
             return Ok(page);
         }
-        unreachable!("the loop returns on its last attempt")
     }
 }
 

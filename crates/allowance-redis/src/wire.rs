@@ -21,6 +21,9 @@ pub(crate) type NamedAmounts = BTreeMap<String, u64>;
 pub(crate) struct Req<'a> {
     pub op: &'a str,
     pub p: &'a str,
+    /// On a cluster: usage streams per group.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub cl: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub now: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
