@@ -9,7 +9,7 @@ use std::time::Duration;
 use allowance_config::{Config, OnError, Role, StoreKind};
 use allowance_core::{EmbeddedStore, Store};
 use allowance_durable::{DurableOptions, DurableStore};
-use allowance_redis::{RedisOptions, RedisStore};
+use allowance_redis::{FailOpenLocal, RedisOptions, RedisStore};
 use allowance_server::{AppState, Credential, Credentials, Options, RandomIds, SystemClock};
 use allowance_wal::Fsync as WalFsync;
 use anyhow::Context;
@@ -22,6 +22,10 @@ const SHARDS: usize = 64;
 /// `fsync = "batch"`: the longest an acknowledged record waits for its
 /// fsync — what a power loss can cost (a process crash loses nothing).
 const BATCH_WINDOW: Duration = Duration::from_millis(10);
+
+/// `on_error = "fail_open_local"`: time for the local ledger to answer
+/// after Redis's `timeout_ms` ran out.
+const FAIL_OPEN_SLACK: Duration = Duration::from_millis(250);
 
 /// `serve`'s flags; they override the file.
 #[derive(Debug, clap::Args)]
@@ -62,12 +66,6 @@ fn configure(args: &ServeArgs) -> Result<Config, String> {
             );
         }
         config.store.data_dir = (!dir.as_os_str().is_empty()).then(|| dir.clone());
-    }
-    if config.store.kind == StoreKind::Redis && config.store.on_error == OnError::FailOpenLocal {
-        return Err(format!(
-            "error: {}: key `store.on_error`: \"fail_open_local\" is not available with the redis store in this version; use \"fail_closed\"\n",
-            config.source
-        ));
     }
     let open = config.tokens.is_empty();
     if open && !config.server.listen.ip().is_loopback() && !args.insecure_no_auth {
@@ -145,7 +143,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     let clock: Arc<SystemClock> = Arc::new(SystemClock::default());
     let (store, durable): (Arc<dyn Store>, Option<DurableStore>) = match &config.store.data_dir {
         _ if config.store.kind == StoreKind::Redis => {
-            (Arc::new(connect_redis(&config).await?), None)
+            (connect_redis(&config, clock.clone()).await?, None)
         }
         Some(dir) => {
             let store = open_durable(&config, dir, clock.clone()).await?;
@@ -160,8 +158,14 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             (Arc::new(store), None)
         }
     };
+    let mut store_timeout = Duration::from_millis(config.store.timeout_ms);
+    if config.store.kind == StoreKind::Redis && config.store.on_error == OnError::FailOpenLocal {
+        // Redis is given `timeout_ms` to answer, then the local ledger
+        // answers: the bound on a store call leaves room for both.
+        store_timeout = store_timeout * 2 + FAIL_OPEN_SLACK;
+    }
     let options = Options {
-        store_timeout: Duration::from_millis(config.store.timeout_ms),
+        store_timeout,
         max_wait_ms: config.queue.max_wait_ms,
         ..Options::default()
     };
@@ -180,7 +184,8 @@ async fn serve(config: Config) -> anyhow::Result<()> {
 
 /// Connects to the Redis store; every instance sharing it should load the
 /// same configuration (admin changes made through the API are shared).
-async fn connect_redis(config: &Config) -> anyhow::Result<RedisStore> {
+/// Under `on_error = "fail_open_local"` it is wrapped in [`FailOpenLocal`].
+async fn connect_redis(config: &Config, clock: Arc<SystemClock>) -> anyhow::Result<Arc<dyn Store>> {
     let url = config
         .store
         .url
@@ -192,7 +197,29 @@ async fn connect_redis(config: &Config) -> anyhow::Result<RedisStore> {
         .await
         .context("cannot start the redis store")?;
     tracing::info!(url = %redact(&url), prefix = store.prefix(), "store: redis");
-    Ok(store)
+    match config.store.on_error {
+        OnError::FailClosed => {
+            tracing::info!(
+                on_error = "fail_closed",
+                "store failure policy: a reserve answers 503 store_unavailable while Redis cannot answer"
+            );
+            Ok(Arc::new(store))
+        }
+        OnError::FailOpenLocal => {
+            let fraction = config.store.fail_open_fraction;
+            tracing::info!(
+                on_error = "fail_open_local",
+                fail_open_fraction = fraction,
+                "store failure policy: while Redis cannot answer, this process admits against each limit's capacity × {fraction} and reconciles when Redis is back (what it admitted locally is lost if it dies before then)"
+            );
+            Ok(Arc::new(FailOpenLocal::new(
+                Arc::new(store),
+                fraction,
+                clock,
+                Arc::new(RandomIds),
+            )))
+        }
+    }
 }
 
 /// A URL with its password hidden, for logs.

@@ -203,24 +203,3 @@ async fn redis_down_answers_503_then_recovers() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
-
-/// fail_open_local is not built for Redis yet: refused at start-up with a
-/// precise message rather than silently failing closed.
-#[test]
-fn fail_open_local_is_refused_at_startup() {
-    let toml = format!(
-        "{RACE_CONFIG}\n[store]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:1/0\"\non_error = \"fail_open_local\"\n"
-    );
-    let (_dir, path) = config_file(&toml);
-    let path = path.to_string_lossy().to_string();
-    match serve_until_exit(
-        &["--listen", "127.0.0.1:0", "--config", &path],
-        Duration::from_secs(30),
-    ) {
-        Startup::Exited { status, stderr } => {
-            assert_eq!(status.code(), Some(2), "{stderr}");
-            assert!(stderr.contains("store.on_error"), "{stderr}");
-        }
-        other => panic!("expected a refusal, got {other:?}"),
-    }
-}

@@ -41,8 +41,10 @@
 
 #![forbid(unsafe_code)]
 
+mod fail_open;
 mod wire;
 
+pub use fail_open::FailOpenLocal;
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};

@@ -1,0 +1,368 @@
+//! `on_error = "fail_open_local"` at the store level: [`FailOpenLocal`]
+//! around a [`RedisStore`] on a real redis-server (from `allowance-testkit`,
+//! append-only file fsynced on every write so what Redis acknowledged
+//! before the outage survives its restart), the stores on a manual clock.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use allowance_conformance::catalogs::START_MS;
+use allowance_core::{
+    Amounts, Catalog, Dimension, Limit, ManualClock, Override, OverrunPolicy, Plan, ReservationId,
+    ReserveError, ReserveRequest, ScopeKey, ScopeStatus, SeededIds, Settings, SettleError, Status,
+    Store, StoreError, Usage, UsageKind, Window,
+};
+use allowance_redis::{FailOpenLocal, RedisOptions, RedisStore};
+use allowance_testkit::{RedisOptions as ServerOptions, RedisServer, redis_available};
+
+/// How long a restarted Redis has to take the reconciliation.
+const RECOVERY: Duration = Duration::from_secs(10);
+
+/// Tenants: tokens 1,000 a sliding hour and 200 concurrent; the tenant
+/// `tight` has its own limits (an override): 20 concurrent.
+fn catalog() -> Catalog {
+    let hour = Window::Sliding {
+        period_ms: 3_600_000,
+        slices: 60,
+    };
+    let mut c = Catalog::new(Settings {
+        default_ttl_ms: 300_000,
+        ..Settings::default()
+    })
+    .unwrap();
+    c.set_plan(
+        Plan::new(
+            "t",
+            vec![
+                Limit::new(Dimension::TOKENS, 1000, hour).unwrap(),
+                Limit::new(Dimension::CONCURRENT, 200, Window::Concurrent).unwrap(),
+            ],
+            OverrunPolicy::ChargeActual,
+        )
+        .unwrap(),
+    );
+    c.set_kind("tenant", Some("t"), false).unwrap();
+    let tight = Plan::new(
+        "tight",
+        vec![Limit::new(Dimension::CONCURRENT, 20, Window::Concurrent).unwrap()],
+        OverrunPolicy::ChargeActual,
+    )
+    .unwrap();
+    c.set_override(ScopeKey::tenant("tight").unwrap(), Override::Limits(tight))
+        .unwrap();
+    c
+}
+
+fn tokens(n: u64) -> Amounts {
+    Amounts::new().with(Dimension::TOKENS, n)
+}
+
+fn usage(n: u64) -> Usage {
+    Usage {
+        amounts: tokens(n),
+        ..Usage::default()
+    }
+}
+
+fn request(c: &Catalog, tenant: &str, n: u64) -> ReserveRequest {
+    ReserveRequest::new(c.scope_set(tenant, &[]).unwrap(), tokens(n))
+}
+
+/// Runs a blocking testkit call (kill, restart) off the async workers' backs.
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    tokio::task::block_in_place(f)
+}
+
+fn aof() -> ServerOptions {
+    ServerOptions {
+        appendonly: true,
+        appendfsync: "always",
+        extra: Vec::new(),
+    }
+}
+
+/// A fail-open store (fraction 0.1) on `server`, and its clock.
+async fn store(server: &RedisServer) -> (FailOpenLocal, Arc<ManualClock>) {
+    let clock = Arc::new(ManualClock::new(allowance_core::Timestamp::from_millis(
+        START_MS,
+    )));
+    let ids = Arc::new(SeededIds::new(0xfa11));
+    let mut options = RedisOptions::new(server.url());
+    options.prefix = "fo:".into();
+    options.timeout_ms = 500;
+    let redis = RedisStore::connect(options, catalog(), Some(clock.clone()), ids.clone())
+        .await
+        .unwrap_or_else(|e| panic!("connecting: {e}"));
+    (
+        FailOpenLocal::new(Arc::new(redis), 0.1, clock.clone(), ids),
+        clock,
+    )
+}
+
+/// Runs the sweeper until nothing admitted locally waits for Redis.
+async fn reconcile_all(store: &FailOpenLocal) {
+    let started = Instant::now();
+    while store.pending_reconciliation() > 0 {
+        let _ = store.expire_due().await;
+        assert!(
+            started.elapsed() < RECOVERY,
+            "{} reservations still not reconciled after {RECOVERY:?}",
+            store.pending_reconciliation()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn tokens_of(s: &ScopeStatus) -> (i64, i64, u64) {
+    let l = &s.limits[0];
+    (l.remaining, l.used, l.held)
+}
+
+/// Usage-log records of `tenant`, by reservation id.
+async fn usage_by_id(store: &RedisStore, tenant: &str) -> BTreeMap<ReservationId, Vec<UsageKind>> {
+    let mut out: BTreeMap<ReservationId, Vec<UsageKind>> = BTreeMap::new();
+    let mut since = None;
+    loop {
+        let page = store.usage(since, 1000, Some(tenant)).await.unwrap();
+        if page.records.is_empty() {
+            return out;
+        }
+        for r in page.records {
+            let res = r.event.reservation.expect("a reservation's end");
+            out.entry(res.id).or_default().push(r.event.kind);
+        }
+        since = Some(page.next_cursor);
+    }
+}
+
+fn unavailable<T: std::fmt::Debug, E: std::fmt::Debug>(r: Result<T, StoreError<E>>) -> bool {
+    matches!(r, Err(StoreError::Unavailable(_)))
+}
+
+/// The test: with Redis gone, each limit admits at most its
+/// capacity × fraction here (typed denials past it), fail_closed would have
+/// answered 503, and what ended locally reaches Redis once it is back —
+/// once, whatever the sweeper repeats.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_open_local_admits_at_most_the_emergency_limits() {
+    let Some(()) = redis_available() else { return };
+    let mut server = RedisServer::start_with(aof());
+    let (fo, clock) = store(&server).await;
+    let c = catalog();
+    let acme = ScopeKey::tenant("acme").unwrap();
+
+    // Before the outage: 10 tokens settled in Redis.
+    let before = fo.reserve(&request(&c, "acme", 10)).await.unwrap();
+    fo.settle(before.id, &usage(10)).await.unwrap();
+    assert_eq!(fo.admitted_locally(), 0);
+
+    blocking(|| server.kill9());
+
+    // fail_closed: the plain Redis store cannot answer.
+    assert!(unavailable(
+        fo.redis().reserve(&request(&c, "acme", 10)).await
+    ));
+
+    // fail_open_local: 1000 × 0.1 = 100 tokens, ten reserves of 10.
+    let mut ids = Vec::new();
+    for i in 0..10 {
+        let mut req = request(&c, "acme", 10);
+        if i == 9 {
+            req.ttl_ms = Some(1_000);
+        }
+        let g = fo
+            .reserve(&req)
+            .await
+            .unwrap_or_else(|e| panic!("local reserve #{i}: {e:?}"));
+        assert!(!g.replayed && !g.dry_run);
+        ids.push(g.id);
+    }
+    assert_eq!(fo.admitted_locally(), 10);
+    match fo.reserve(&request(&c, "acme", 10)).await {
+        Err(StoreError::Rejected(ReserveError::Denied(d))) => {
+            assert_eq!(
+                (d.scope.as_str(), d.dimension.as_str(), d.capacity),
+                ("tenant:acme", "tokens", 100),
+                "{d}"
+            );
+            assert_eq!((d.remaining, d.requested), (0, 10), "{d}");
+        }
+        other => panic!("the 11th reserve of 10 should be denied, got {other:?}"),
+    }
+    assert_eq!(fo.admitted_locally(), 10, "a denial is not an admission");
+
+    // A `Limits` override is scaled too: 20 concurrent → 2.
+    let t1 = fo.reserve(&request(&c, "tight", 1)).await.unwrap();
+    let t2 = fo.reserve(&request(&c, "tight", 1)).await.unwrap();
+    match fo.reserve(&request(&c, "tight", 1)).await {
+        Err(StoreError::Rejected(ReserveError::Denied(d))) => {
+            assert_eq!((d.dimension.as_str(), d.capacity), ("concurrent", 2), "{d}");
+        }
+        other => panic!("a third concurrent hold should be denied, got {other:?}"),
+    }
+    fo.refund(t1.id).await.unwrap();
+    fo.refund(t2.id).await.unwrap();
+
+    // Idempotent replays answer the same local reservation; dry runs and
+    // replays are not admissions.
+    let mut keyed = request(&c, "beta", 30);
+    keyed.idempotency_key = Some("call-1".into());
+    let b = fo.reserve(&keyed).await.unwrap();
+    let replay = fo.reserve(&keyed).await.unwrap();
+    assert_eq!((replay.id, replay.replayed), (b.id, true));
+    let mut dry = request(&c, "beta", 70);
+    dry.dry_run = true;
+    assert!(fo.reserve(&dry).await.unwrap().dry_run);
+    dry.amounts = tokens(71);
+    assert!(matches!(
+        fo.reserve(&dry).await,
+        Err(StoreError::Rejected(ReserveError::Denied(_)))
+    ));
+    assert_eq!(fo.admitted_locally(), 13);
+
+    // Local ids end locally: 8 settled, 1 refunded, 1 expired.
+    let mut settled = Vec::new();
+    for id in &ids[..8] {
+        let r = fo.settle(*id, &usage(10)).await.unwrap();
+        assert_eq!(r.status, Status::Settled);
+        settled.push(r);
+    }
+    fo.refund(ids[8]).await.unwrap();
+    clock.advance_ms(1_001);
+    assert_eq!(
+        fo.get(ids[9]).await.unwrap().map(|r| r.status),
+        Some(Status::Expired)
+    );
+    fo.settle(b.id, &usage(25)).await.unwrap();
+    // Replays of local settles answer locally, Redis or not.
+    let again = fo.settle(ids[0], &usage(10)).await.unwrap();
+    assert_eq!(again.charged, settled[0].charged);
+
+    // What is Redis's stays Redis's: 503, never a guess.
+    assert!(unavailable(fo.settle(before.id, &usage(10)).await));
+    assert!(fo.get(before.id).await.is_err());
+    assert!(fo.status(&acme).await.is_err());
+    assert!(fo.expire_due().await.is_err());
+    assert_eq!(fo.pending_reconciliation(), 13);
+
+    // Redis comes back (from its append-only file): the sweeper reconciles.
+    blocking(|| server.restart());
+    reconcile_all(&fo).await;
+    assert_eq!(fo.imported(), 13);
+
+    let st = fo.redis().status(&acme).await.unwrap();
+    assert_eq!(
+        tokens_of(&st),
+        (1000 - 90, 90, 0),
+        "10 before the outage + 8 × 10 settled locally: {st:?}"
+    );
+    assert_eq!(st.held_reservations, 0);
+    let beta = fo
+        .redis()
+        .status(&ScopeKey::tenant("beta").unwrap())
+        .await
+        .unwrap();
+    assert_eq!(tokens_of(&beta).1, 25);
+
+    let log = usage_by_id(fo.redis(), "acme").await;
+    let expect_kind = |id: &ReservationId, kind: UsageKind| {
+        assert_eq!(log.get(id), Some(&vec![kind]), "usage of {id}: {log:?}");
+    };
+    expect_kind(&before.id, UsageKind::Settled);
+    for id in &ids[..8] {
+        expect_kind(id, UsageKind::Settled);
+    }
+    expect_kind(&ids[8], UsageKind::Refunded);
+    expect_kind(&ids[9], UsageKind::Expired);
+    assert_eq!(log.len(), 11, "{log:?}");
+    let tight_log = usage_by_id(fo.redis(), "tight").await;
+    assert_eq!(tight_log.len(), 2, "{tight_log:?}");
+
+    // Redis answers for the imported ids now.
+    let got = fo.redis().get(ids[0]).await.unwrap().expect("imported");
+    assert_eq!(
+        (got.status, got.charged.as_ref()),
+        (Status::Settled, settled[0].charged.as_ref())
+    );
+    assert_eq!(fo.get(ids[0]).await.unwrap(), Some(got.clone()));
+    let replayed = fo.settle(ids[0], &usage(10)).await.unwrap();
+    assert_eq!(replayed.charged, settled[0].charged);
+    assert!(matches!(
+        fo.refund(ids[0]).await,
+        Err(StoreError::Rejected(
+            allowance_core::RefundError::Conflict { .. }
+        ))
+    ));
+
+    // Reconciling (and importing) again changes nothing.
+    assert_eq!(fo.reconcile().await.unwrap(), 0);
+    fo.expire_due().await.unwrap();
+    fo.redis().import_ended(&settled[0]).await.unwrap();
+    assert_eq!(fo.redis().status(&acme).await.unwrap(), st);
+    assert_eq!(usage_by_id(fo.redis(), "acme").await, log);
+
+    // A late settle of the reservation that expired locally is Redis's now.
+    let late = fo.settle(ids[9], &usage(5)).await.unwrap();
+    assert_eq!((late.status, late.late), (Status::Settled, true));
+    let st = fo.redis().status(&acme).await.unwrap();
+    assert_eq!(tokens_of(&st).1, 95);
+
+    // And reserves are Redis's again: its full capacity.
+    let big = fo.reserve(&request(&c, "acme", 800)).await.unwrap();
+    assert_eq!(fo.redis().get(big.id).await.unwrap().unwrap().id, big.id);
+    assert_eq!(fo.admitted_locally(), 13);
+}
+
+/// Redis back but the reservation still HELD locally: it stays local (a
+/// keyed retry replays it rather than admitting again in Redis) until it
+/// ends, and is reconciled then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_local_reservation_stays_local_until_it_ends() {
+    let Some(()) = redis_available() else { return };
+    let mut server = RedisServer::start();
+    let (fo, _clock) = store(&server).await;
+    let c = catalog();
+    blocking(|| server.kill9());
+
+    let mut req = request(&c, "acme", 40);
+    req.idempotency_key = Some("k".into());
+    let g = fo.reserve(&req).await.unwrap();
+    // Grows within the local 100.
+    let r = fo.extend(g.id, Some(&tokens(60)), None).await.unwrap();
+    assert_eq!(r.held.get(Dimension::TOKENS), 100);
+
+    blocking(|| server.restart());
+    let started = Instant::now();
+    while fo.expire_due().await.is_err() {
+        assert!(started.elapsed() < RECOVERY, "Redis did not come back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(fo.pending_reconciliation(), 1, "still held: not imported");
+    let replay = fo.reserve(&req).await.unwrap();
+    assert_eq!((replay.id, replay.replayed), (g.id, true));
+    assert_eq!(fo.redis().get(g.id).await.unwrap(), None);
+
+    let settled = fo.settle(g.id, &usage(70)).await.unwrap();
+    assert_eq!(settled.status, Status::Settled);
+    reconcile_all(&fo).await;
+    let st = fo
+        .redis()
+        .status(&ScopeKey::tenant("acme").unwrap())
+        .await
+        .unwrap();
+    assert_eq!(tokens_of(&st), (930, 70, 0));
+    assert_eq!(
+        fo.redis().get(g.id).await.unwrap().map(|r| r.status),
+        Some(Status::Settled)
+    );
+    // A settle with other figures is the settled record's, from Redis.
+    assert_eq!(
+        fo.settle(g.id, &usage(1)).await.unwrap().charged,
+        settled.charged
+    );
+    assert!(matches!(
+        fo.settle(ReservationId::mint(7, "acme"), &usage(1)).await,
+        Err(StoreError::Rejected(SettleError::NotFound))
+    ));
+}
