@@ -338,26 +338,33 @@ end
 -- Releases a HELD reservation's hold on every scope (its windows
 -- untouched). Every scope is read before the first write: a corrupted one
 -- fails the script with nothing changed.
-local function release(rec)
+local function release(rec, home)
+  -- On a cluster a script reaches only its own group: a reservation's
+  -- holds on shared scopes are released by their groups (ops.fend).
+  local function here(i) return not req.cl or rec.sb[i] == home end
   local loaded = {}
   for i, name in ipairs(rec.sc) do
-    local key = rec.sb[i] .. ':s:' .. name
-    local raw = redis.call('GET', key)
-    if raw then loaded[i] = {key = key, S = decode(raw, key)} end
+    if here(i) then
+      local key = rec.sb[i] .. ':s:' .. name
+      local raw = redis.call('GET', key)
+      if raw then loaded[i] = {key = key, S = decode(raw, key)} end
+    end
   end
   for i, name in ipairs(rec.sc) do
-    local x = loaded[i]
-    if x then
-      x.S.hc = x.S.hc - 1
-      add_map(x.S.h, rec.h, -1)
-      store_scope(x.key, x.S)
+    if here(i) then
+      local x = loaded[i]
+      if x then
+        x.S.hc = x.S.hc - 1
+        add_map(x.S.h, rec.h, -1)
+        store_scope(x.key, x.S)
+      end
+      redis.call('ZREM', rec.sb[i] .. ':h:' .. name, rec.id)
     end
-    redis.call('ZREM', rec.sb[i] .. ':h:' .. name, rec.id)
   end
 end
 
 local function expire(rec, base)
-  release(rec)
+  release(rec, base)
   rec.st = 'expired'
   rec.e = rec.x
   -- Retention counts from the expiry itself, as in the engine.
@@ -405,10 +412,45 @@ local function observe_tag(base, limit)
   return #due
 end
 
+-- A foreign hold (a cluster's hold on a shared scope, kept in the scope's
+-- group as G:f:<id>) that is due expires in its group, by itself.
+local function expire_foreign(g, id)
+  local fkey = g .. ':f:' .. id
+  local raw = redis.call('GET', fkey)
+  if not raw then
+    redis.call('ZREM', g .. ':fx', id)
+    return
+  end
+  local f = decode(raw, fkey)
+  if f.st == 'held' and f.x <= now then
+    release(f, g)
+    f.st = 'expired'
+    redis.call('SET', fkey, pack(f))
+    redis.call('ZREM', g .. ':fx', id)
+    redis.call('ZADD', g .. ':fd', I(f.x + req.re), id)
+  end
+end
+
+local function is_shared_base(b)
+  return string.find(b, '{s', 1, true) ~= nil
+end
+
+-- Whether a reservation has holds in shared groups (a cluster's).
+local function has_foreign(rec)
+  if not req.cl then return false end
+  for _, b in ipairs(rec.sb) do
+    if is_shared_base(b) then return true end
+  end
+  return false
+end
+
 -- Every hold on a scope that is due expires before the scope is read.
 local function observe_scope(sc)
   local due = redis.call('ZRANGEBYSCORE', sc.b .. ':h:' .. sc.n, '-inf', I(now))
-  for _, id in ipairs(due) do expire_id(id) end
+  local foreign = req.cl and is_shared_base(sc.b)
+  for _, id in ipairs(due) do
+    if foreign then expire_foreign(sc.b, id) else expire_id(id) end
+  end
 end
 
 -- A record, its expiry observed.
@@ -576,6 +618,7 @@ function ops.settle()
   rec.e = now
   rec.c = req.c
   schedule_drop(base, rec, now)
+  if has_foreign(rec) then redis.call('ZADD', base .. ':p', I(now), rec.id) end
   redis.call('SET', base .. ':r:' .. rec.id, pack(rec))
   usage_event('settled', now, rec)
   return reply({t = 'ok', rec = rec})
@@ -588,12 +631,13 @@ function ops.refund()
   if not rec then return reply({t = 'nf'}) end
   if rec.st == 'settled' then return reply({t = 'conflict', st = rec.st}) end
   if rec.st ~= 'held' then return reply({t = 'ok', rec = rec}) end
-  release(rec)
+  release(rec, base)
   redis.call('ZREM', base .. ':x', rec.id)
   redis.call('HINCRBY', base .. ':n', 'held', -1)
   rec.st = 'refunded'
   rec.e = now
   schedule_drop(base, rec, now)
+  if has_foreign(rec) then redis.call('ZADD', base .. ':p', I(now), rec.id) end
   redis.call('SET', base .. ':r:' .. rec.id, pack(rec))
   usage_event('refunded', now, rec)
   return reply({t = 'ok', rec = rec})
@@ -689,6 +733,140 @@ function ops.import()
   schedule_drop(base, rec, rec.e)
   redis.call('SET', rkey, pack(rec))
   if rec.st ~= 'held' then usage_event(rec.st, rec.e, rec) end
+  return reply({t = 'ok'})
+end
+
+-- Cluster: a reservation's holds on shared scopes --------------------------
+--
+-- A shared scope lives in its own group's slot, so on a cluster a
+-- reservation holds it with a script of its own, before the tenant's
+-- (compensated if the tenant's refuses), and ends it after (the tenant's
+-- record lists the group as pending until then, for the sweeper).
+
+-- Checks and holds this group's shared scopes of a reservation.
+function ops.fhold()
+  if not calendars_hold(req.scopes) then return reply({t = 'cal', now = now}) end
+  local g = req.b
+  for _, sc in ipairs(req.scopes) do observe_scope(sc) end
+  local scopes = {}
+  for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
+  local denial = check(scopes, false)
+  if denial then return reply({t = 'deny', d = denial}) end
+  local x = now + req.ttl
+  if req.dry then return reply({t = 'ok', now = now, x = x, rem = report(scopes)}) end
+  local fkey = g .. ':f:' .. req.id
+  if redis.call('EXISTS', fkey) == 1 then return reply({t = 'dup'}) end
+  local f = {id = req.id, st = 'held', sc = {}, sb = {}, h = req.h, x = x}
+  for i, s in ipairs(scopes) do
+    s.S.hc = s.S.hc + 1
+    add_map(s.S.h, req.h, 1)
+    redis.call('ZADD', s.hkey, I(x), req.id)
+    save_scope(s)
+    f.sc[i] = req.scopes[i].n
+    f.sb[i] = g
+  end
+  redis.call('SET', fkey, pack(f))
+  redis.call('ZADD', g .. ':fx', I(x), req.id)
+  local rem
+  if req.rr then rem = report(scopes) end
+  return reply({t = 'ok', now = now, x = x, rem = rem})
+end
+
+-- Ends this group's holds of a reservation: `settle` records `a` on each
+-- limit (even if the hold expired meanwhile), `release` only lets go.
+-- Idempotent: an ended hold is left as it is.
+function ops.fend()
+  if not calendars_hold(req.scopes) then return reply({t = 'cal', now = now}) end
+  local g = req.b
+  local fkey = g .. ':f:' .. req.id
+  local raw = redis.call('GET', fkey)
+  local f
+  if raw then f = decode(raw, fkey) end
+  if f and (f.st == 'settled' or f.st == 'released') then return reply({t = 'ok'}) end
+  if req.fin == 'release' and not (f and f.st == 'held') then return reply({t = 'ok'}) end
+  for _, sc in ipairs(req.scopes) do observe_scope(sc) end
+  if f and f.st == 'held' and f.x <= now then
+    expire_foreign(g, req.id)
+    f = decode(redis.call('GET', fkey), fkey)
+  end
+  local scopes = {}
+  for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
+  local held = f and f.st == 'held'
+  if req.fin == 'release' and not held then return reply({t = 'ok'}) end
+  for _, s in ipairs(scopes) do
+    if req.fin == 'settle' then
+      for li, L in ipairs(s.lims) do record(s.states[li], L.a or 0) end
+    end
+    if held then
+      s.S.hc = s.S.hc - 1
+      add_map(s.S.h, f.h, -1)
+      redis.call('ZREM', s.hkey, req.id)
+    end
+    save_scope(s)
+  end
+  f = f or {id = req.id, sc = {}, sb = {}, h = {}, x = now}
+  if req.fin == 'settle' then f.st = 'settled' else f.st = 'released' end
+  redis.call('SET', fkey, pack(f))
+  redis.call('ZREM', g .. ':fx', req.id)
+  redis.call('ZADD', g .. ':fd', I(now + max(req.re, req.ri)), req.id)
+  return reply({t = 'ok'})
+end
+
+-- Raises and/or moves this group's holds of a HELD reservation; with
+-- `undo`, takes back an earlier raise and restores the expiry `ox`.
+function ops.fextend()
+  if not calendars_hold(req.scopes) then return reply({t = 'cal', now = now}) end
+  local g = req.b
+  local fkey = g .. ':f:' .. req.id
+  for _, sc in ipairs(req.scopes) do observe_scope(sc) end
+  local raw = redis.call('GET', fkey)
+  if not raw then return reply({t = 'notheld', st = 'expired'}) end
+  local f = decode(raw, fkey)
+  if f.st ~= 'held' then return reply({t = 'notheld', st = 'expired'}) end
+  local scopes = {}
+  for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
+  local sign = 1
+  if req.undo then sign = -1 end
+  local grow = has_any(req.h)
+  if grow and not req.undo then
+    local denial = check(scopes, true)
+    if denial then return reply({t = 'deny', d = denial}) end
+  end
+  local x
+  if req.undo then x = req.ox elseif req.ttl then x = now + req.ttl end
+  for _, s in ipairs(scopes) do
+    if grow then add_map(s.S.h, req.h, sign) end
+    if x then redis.call('ZADD', s.hkey, I(x), req.id) end
+    save_scope(s)
+  end
+  local ox = f.x
+  add_map(f.h, req.h, sign)
+  if x then
+    f.x = x
+    redis.call('ZADD', g .. ':fx', I(x), req.id)
+  end
+  redis.call('SET', fkey, pack(f))
+  return reply({t = 'ok', x = ox})
+end
+
+-- The sweeper in a shared group: due foreign holds expire, ended ones
+-- past their retention are forgotten.
+function ops.ftick()
+  local g = req.b
+  local due = redis.call('ZRANGEBYSCORE', g .. ':fx', '-inf', I(now), 'LIMIT', 0, 1000)
+  for _, id in ipairs(due) do expire_foreign(g, id) end
+  local gone = redis.call('ZRANGEBYSCORE', g .. ':fd', '-inf', I(now), 'LIMIT', 0, 1000)
+  for _, id in ipairs(gone) do
+    redis.call('DEL', g .. ':f:' .. id)
+    redis.call('ZREM', g .. ':fd', id)
+  end
+  return reply({t = 'ok'})
+end
+
+-- A tenant's settle or refund whose shared groups have been told: no
+-- longer pending. And the pending ones the sweeper should finish.
+function ops.pdone()
+  redis.call('ZREM', req.b .. ':p', req.id)
   return reply({t = 'ok'})
 end
 

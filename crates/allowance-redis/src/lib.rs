@@ -41,6 +41,7 @@
 
 #![forbid(unsafe_code)]
 
+mod cross;
 mod fail_open;
 mod wire;
 
@@ -260,6 +261,26 @@ impl RedisStore {
         };
         store.catch_up().await.map_err(|e| unreachable(e.0))?;
         Ok(store)
+    }
+
+    /// On a cluster, the specs a tenant's script may touch (its slot's).
+    fn local_only(&self, specs: &[ScopeSpec]) -> Vec<ScopeSpec> {
+        specs
+            .iter()
+            .filter(|s| !self.cluster || !cross::is_shared_base(&s.b))
+            .cloned()
+            .collect()
+    }
+
+    /// After a tenant's script ended a reservation: on a cluster, the
+    /// shared groups are told (a failure leaves it to the sweeper).
+    async fn finish_shared(&self, catalog: &Catalog, rec: &Rec) {
+        if !self.cluster || !rec.sb.iter().any(|b| cross::is_shared_base(b)) {
+            return;
+        }
+        if let Err(e) = self.finish_cross(catalog, rec).await {
+            tracing::warn!(id = %rec.id, error = %e, "the shared scopes of an ended reservation are left to the sweeper");
+        }
     }
 
     /// Remembers a record this instance granted (or extended).
@@ -723,18 +744,6 @@ impl Store for RedisStore {
         for _ in 0..MAX_ATTEMPTS {
             let (catalog, version) = self.snapshot();
             let prep = prepare_reserve(&catalog, req).map_err(StoreError::Rejected)?;
-            if self.cluster
-                && let Some(shared) = req.scopes.as_slice().iter().find(|k| k.is_shared())
-            {
-                // A shared scope lives in another hash slot than the
-                // tenant's keys: one atomic script cannot hold both there.
-                return Err(StoreError::Rejected(ReserveError::Invalid(Invalid::new(
-                    "scopes",
-                    format!(
-                        "{shared} is a shared scope, and shared scopes are not available on Redis Cluster in this version (they are on a single Redis node)"
-                    ),
-                ))));
-            }
             let id = ReservationId::mint(self.ids.next_random(), tenant);
             let keys = req.scopes.as_slice();
             let specs = self.specs(&catalog, keys, estimate, |d, spec| {
@@ -767,6 +776,16 @@ impl Store for RedisStore {
                 fp: r.fp.clone(),
                 ..Rec::default()
             });
+            if self.cluster && req.scopes.any_shared() {
+                r.scopes = self.local_only(&specs);
+                match self
+                    .reserve_cross(&catalog, version, req, &prep, id, &specs, r, &mut estimate)
+                    .await?
+                {
+                    Some(granted) => return Ok(granted),
+                    None => continue,
+                }
+            }
             r.scopes = specs;
             let reply = self.call(&base, &r).await?;
             if self.again(&reply, &mut estimate).await? {
@@ -893,9 +912,10 @@ impl Store for RedisStore {
             r.id = Some(id.to_string());
             r.v = rec.v;
             r.c = Some(named(&catalog, &charged));
-            r.scopes = self.specs(&catalog, res.scopes.as_slice(), estimate, |d, spec| {
+            let specs = self.specs(&catalog, res.scopes.as_slice(), estimate, |d, spec| {
                 spec.a = Some(recorded(d, &charged));
             });
+            r.scopes = self.local_only(&specs);
             let reply = self.call(&base, &r).await?;
             if self.again(&reply, &mut estimate).await? {
                 continue;
@@ -910,7 +930,9 @@ impl Store for RedisStore {
                         .rec
                         .as_ref()
                         .ok_or_else(|| Self::corrupt("a settle without its record".into()))?;
-                    Ok(self.reservation(&catalog, rec)?)
+                    let res = self.reservation(&catalog, rec)?;
+                    self.finish_shared(&catalog, rec).await;
+                    Ok(res)
                 }
                 t => Err(Self::corrupt(format!("an answer {t:?} to a settle")).into()),
             };
@@ -936,7 +958,9 @@ impl Store for RedisStore {
                     .rec
                     .as_ref()
                     .ok_or_else(|| Self::corrupt("a refund without its record".into()))?;
-                Ok(self.reservation(&catalog, rec)?)
+                let res = self.reservation(&catalog, rec)?;
+                self.finish_shared(&catalog, rec).await;
+                Ok(res)
             }
             t => Err(Self::corrupt(format!("an answer {t:?} to a refund")).into()),
         }
@@ -971,10 +995,30 @@ impl Store for RedisStore {
             r.v = rec.v;
             r.h = Some(named(&catalog, &delta));
             r.ttl = ttl_ms;
-            r.scopes = self.specs(&catalog, res.scopes.as_slice(), estimate, |d, spec| {
+            let specs = self.specs(&catalog, res.scopes.as_slice(), estimate, |d, spec| {
                 spec.q = Some(if d.is_implied() { 0 } else { delta.get(d) });
             });
-            let reply = self.call(&base, &r).await?;
+            r.scopes = self.local_only(&specs);
+            let reply = if self.cluster && res.scopes.any_shared() {
+                match self
+                    .extend_cross(
+                        &catalog,
+                        version,
+                        &rec,
+                        &specs,
+                        &delta,
+                        ttl_ms,
+                        r,
+                        &mut estimate,
+                    )
+                    .await?
+                {
+                    Some(reply) => reply,
+                    None => continue,
+                }
+            } else {
+                self.call(&base, &r).await?
+            };
             if self.again(&reply, &mut estimate).await? {
                 continue;
             }
@@ -1157,6 +1201,9 @@ impl Store for RedisStore {
         });
         for reply in futures_util::future::join_all(calls).await {
             reply?;
+        }
+        if self.cluster {
+            self.sweep_cross(&catalog).await?;
         }
         self.sum_counter("expired").await
     }

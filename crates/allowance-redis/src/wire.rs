@@ -73,6 +73,14 @@ pub(crate) struct Req<'a> {
     pub start: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub n: Option<u64>,
+    /// fend: `settle` or `release`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fin: Option<&'static str>,
+    /// fextend: take back a raise, restoring the expiry `ox`.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub undo: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ox: Option<u64>,
 }
 
 /// A scope and its current plan's limits, resolved by the Rust side.
@@ -210,7 +218,7 @@ pub(crate) struct Rec {
 }
 
 /// A denial as the script reports it (indexes 1-based).
-#[derive(Deserialize, Debug)]
+#[derive(Deserialize, Debug, Clone)]
 pub(crate) struct DenyOut {
     pub kind: String,
     pub ra: Option<u64>,
@@ -231,7 +239,7 @@ pub(crate) struct LimOut {
 }
 
 /// The script's answer.
-#[derive(Deserialize, Debug)]
+#[derive(Deserialize, Debug, Default)]
 pub(crate) struct Reply {
     pub t: String,
     pub now: Option<u64>,
