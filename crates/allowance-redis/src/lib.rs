@@ -36,8 +36,8 @@
 //! - **Usage log** — a stream per group written by the same scripts, read
 //!   as one log merged by entry id.
 //! - **Cluster** — detected at connect; each script runs in one group's
-//!   slot. Reservations on shared scopes are refused on a cluster in this
-//!   version (see docs/REDIS-STORE.md).
+//!   slot, and a reservation on a shared scope takes one script per slot
+//!   (see `cross.rs` and docs/REDIS-STORE.md).
 
 #![forbid(unsafe_code)]
 
