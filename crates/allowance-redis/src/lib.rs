@@ -127,8 +127,15 @@ struct Current {
 
 /// A [`Store`] on Redis. Cheap to share: one multiplexed connection.
 pub struct RedisStore {
-    conn: Conn,
+    /// Swapped when Sentinel names a new master; cloned out for each call
+    /// (never held across one).
+    conn: parking_lot::RwLock<Conn>,
     cluster: bool,
+    /// Where the master is found again after a failover (Sentinel only).
+    sentinel: Option<SentinelSource>,
+    manager_config: ConnectionManagerConfig,
+    /// When this instance last asked the sentinels (ms since the epoch).
+    resolved_at_ms: std::sync::atomic::AtomicU64,
     script: redis::Script,
     prefix: String,
     clock: Option<Arc<dyn Clock>>,
@@ -183,6 +190,80 @@ impl redis::aio::ConnectionLike for Conn {
     }
 }
 
+/// `redis+sentinel://[user:password@]host:port[,host:port…]/master_name[/db]`:
+/// the sentinels to ask, and what to ask them for.
+struct SentinelSource {
+    sentinels: Vec<String>,
+    master_name: String,
+    node: redis::sentinel::SentinelNodeConnectionInfo,
+}
+
+impl SentinelSource {
+    /// `None` for a URL that names no sentinels.
+    fn parse(url: &str) -> Result<Option<SentinelSource>, ConnectError> {
+        let Some(rest) = url.strip_prefix("redis+sentinel://") else {
+            if url.starts_with("rediss+sentinel://") {
+                return Err(ConnectError::Url(
+                    "TLS through Sentinel (rediss+sentinel://) is not supported yet".into(),
+                ));
+            }
+            return Ok(None);
+        };
+        let bad = |why: &str| {
+            ConnectError::Url(format!(
+                "{why}: expected redis+sentinel://[user:password@]host:port[,host:port]/master_name[/db]"
+            ))
+        };
+        let (auth, rest) = match rest.rsplit_once('@') {
+            Some((auth, rest)) => (Some(auth), rest),
+            None => (None, rest),
+        };
+        let (hosts, path) = rest.split_once('/').ok_or_else(|| bad("no master name"))?;
+        let mut path = path.split('/');
+        let master_name = path
+            .next()
+            .filter(|n| !n.is_empty())
+            .ok_or_else(|| bad("no master name"))?;
+        let db: i64 = match path.next() {
+            None | Some("") => 0,
+            Some(d) => d.parse().map_err(|_| bad("the database is not a number"))?,
+        };
+        let sentinels: Vec<String> = hosts
+            .split(',')
+            .filter(|h| !h.is_empty())
+            .map(|h| format!("redis://{h}"))
+            .collect();
+        if sentinels.is_empty() {
+            return Err(bad("no sentinel address"));
+        }
+        let mut info = redis::RedisConnectionInfo::default().set_db(db);
+        if let Some(auth) = auth {
+            let (user, password) = auth.split_once(':').unwrap_or(("", auth));
+            if !user.is_empty() {
+                info = info.set_username(user);
+            }
+            info = info.set_password(password);
+        }
+        Ok(Some(SentinelSource {
+            sentinels,
+            master_name: master_name.to_string(),
+            node: redis::sentinel::SentinelNodeConnectionInfo::default()
+                .set_redis_connection_info(info),
+        }))
+    }
+
+    /// A client for the master the sentinels name now.
+    async fn master(&self) -> redis::RedisResult<redis::Client> {
+        let mut client = redis::sentinel::SentinelClient::build(
+            self.sentinels.clone(),
+            self.master_name.as_str(),
+            Some(self.node.clone()),
+            redis::sentinel::SentinelServerType::Master,
+        )?;
+        client.async_get_client().await
+    }
+}
+
 fn unavailable(e: impl std::fmt::Display) -> Unavailable {
     Unavailable(format!("redis: {e}"))
 }
@@ -203,22 +284,36 @@ impl RedisStore {
         clock: Option<Arc<dyn Clock>>,
         ids: Arc<dyn IdSource>,
     ) -> Result<RedisStore, ConnectError> {
-        let client = redis::Client::open(options.url.as_str())
-            .map_err(|e| ConnectError::Url(e.to_string()))?;
+        // rediss:// needs a crypto provider; redis-rs picks none. (An
+        // error only says one is installed already.)
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let timeout = Duration::from_millis(options.timeout_ms.max(1));
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(timeout))
-            .set_response_timeout(Some(timeout))
-            .set_number_of_retries(2);
         let unreachable = |why: String| ConnectError::Unreachable {
             url: options.url.clone(),
             why,
         };
-        let single =
-            tokio::time::timeout(timeout, ConnectionManager::new_with_config(client, config))
+        let sentinel = SentinelSource::parse(&options.url)?;
+        let client = match &sentinel {
+            Some(source) => tokio::time::timeout(timeout * 2, source.master())
                 .await
-                .map_err(|_| unreachable(format!("no answer within {} ms", timeout.as_millis())))?
-                .map_err(|e| unreachable(e.to_string()))?;
+                .map_err(|_| unreachable("the sentinels did not answer in time".into()))?
+                .map_err(|e| unreachable(e.to_string()))?,
+            None => redis::Client::open(options.url.as_str())
+                .map_err(|e| ConnectError::Url(e.to_string()))?,
+        };
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(timeout))
+            .set_number_of_retries(1)
+            .set_min_delay(Duration::from_millis(5))
+            .set_max_delay(Duration::from_millis(50));
+        let single = tokio::time::timeout(
+            timeout,
+            ConnectionManager::new_with_config(client, config.clone()),
+        )
+        .await
+        .map_err(|_| unreachable(format!("no answer within {} ms", timeout.as_millis())))?
+        .map_err(|e| unreachable(e.to_string()))?;
         // A cluster node says so; the cluster client then finds the others.
         let info: String = tokio::time::timeout(
             timeout,
@@ -245,8 +340,11 @@ impl RedisStore {
             Conn::Single(single)
         };
         let store = RedisStore {
-            conn,
+            conn: parking_lot::RwLock::new(conn),
             cluster,
+            sentinel,
+            manager_config: config,
+            resolved_at_ms: std::sync::atomic::AtomicU64::new(wall_ms()),
             script: redis::Script::new(LEDGER_LUA),
             prefix: options.prefix,
             clock,
@@ -261,6 +359,61 @@ impl RedisStore {
         };
         store.catch_up().await.map_err(|e| unreachable(e.0))?;
         Ok(store)
+    }
+
+    fn conn(&self) -> Conn {
+        self.conn.read().clone()
+    }
+
+    /// After a failed call through Sentinel: if the master may have moved
+    /// (the connection failed, or it answers READONLY as a demoted master),
+    /// asks the sentinels again — at most twice a second — and switches to
+    /// the master they name.
+    async fn after_failure(&self, e: Option<&redis::RedisError>) {
+        let Some(source) = &self.sentinel else {
+            return;
+        };
+        let moved = e.is_none_or(|e| {
+            e.is_io_error()
+                || e.is_connection_dropped()
+                || e.is_connection_refusal()
+                || e.is_timeout()
+                || e.code() == Some("READONLY")
+        });
+        let now = wall_ms();
+        let last = self
+            .resolved_at_ms
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if !moved
+            || now < last.saturating_add(500)
+            || self
+                .resolved_at_ms
+                .compare_exchange(
+                    last,
+                    now,
+                    std::sync::atomic::Ordering::Relaxed,
+                    std::sync::atomic::Ordering::Relaxed,
+                )
+                .is_err()
+        {
+            return;
+        }
+        let switched = async {
+            let client = source.master().await.map_err(|e| e.to_string())?;
+            ConnectionManager::new_with_config(client, self.manager_config.clone())
+                .await
+                .map_err(|e| e.to_string())
+        };
+        match tokio::time::timeout(self.timeout * 2, switched).await {
+            Ok(Ok(manager)) => {
+                *self.conn.write() = Conn::Single(manager);
+                tracing::warn!("redis: connected to the master the sentinels name now");
+            }
+            Ok(Err(why)) => {
+                tracing::warn!(error = %why, "redis: the sentinels named no reachable master")
+            }
+            Err(_) => tracing::warn!("redis: the sentinels did not answer in time"),
+        }
     }
 
     /// On a cluster, the specs a tenant's script may touch (its slot's).
@@ -403,21 +556,25 @@ impl RedisStore {
     /// Runs the script with `req`, routed by `key_base`.
     async fn call(&self, key_base: &str, req: &Req<'_>) -> Result<Reply, Unavailable> {
         let body = rmp_serde::to_vec_named(req).map_err(unavailable)?;
-        let mut conn = self.conn.clone();
+        let mut conn = self.conn();
         let mut inv = self.script.key(key_base);
         inv.arg(body);
-        let raw: Vec<u8> = tokio::time::timeout(self.timeout, inv.invoke_async(&mut conn))
-            .await
-            .map_err(|_| {
-                Unavailable(format!(
-                    "redis did not answer within {} ms",
-                    self.timeout.as_millis()
-                ))
-            })?
-            .map_err(|e| {
-                tracing::warn!(error = %e, op = req.op, "redis call failed");
-                unavailable(e)
-            })?;
+        let raw: Vec<u8> =
+            match tokio::time::timeout(self.timeout, inv.invoke_async(&mut conn)).await {
+                Ok(Ok(raw)) => raw,
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, op = req.op, "redis call failed");
+                    self.after_failure(Some(&e)).await;
+                    return Err(unavailable(e));
+                }
+                Err(_) => {
+                    self.after_failure(None).await;
+                    return Err(Unavailable(format!(
+                        "redis did not answer within {} ms",
+                        self.timeout.as_millis()
+                    )));
+                }
+            };
         rmp_serde::from_slice(&raw).map_err(|e| {
             tracing::error!(error = %e, op = req.op, "unreadable answer from the ledger script");
             Unavailable(format!("an unreadable answer from the ledger script: {e}"))
@@ -427,7 +584,7 @@ impl RedisStore {
     /// Applies the admin changes made since this instance last looked.
     async fn catch_up(&self) -> Result<(), Unavailable> {
         let (catalog, version) = self.snapshot();
-        let mut conn = self.conn.clone();
+        let mut conn = self.conn();
         let changes: Vec<String> = tokio::time::timeout(
             self.timeout,
             redis::cmd("LRANGE")
@@ -684,7 +841,7 @@ impl RedisStore {
         cmds: Vec<redis::Cmd>,
     ) -> Result<Vec<T>, Unavailable> {
         let calls = cmds.into_iter().map(|cmd| {
-            let mut conn = self.conn.clone();
+            let mut conn = self.conn();
             async move { cmd.query_async::<T>(&mut conn).await }
         });
         let all = tokio::time::timeout(self.timeout, futures_util::future::join_all(calls))
@@ -721,7 +878,7 @@ impl RedisStore {
         r.start = Some(start);
         r.n = Some(n as u64);
         let body = rmp_serde::to_vec_named(&r).map_err(unavailable)?;
-        let mut conn = self.conn.clone();
+        let mut conn = self.conn();
         let mut inv = self.script.key(&base);
         inv.arg(body);
         tokio::time::timeout(self.timeout, inv.invoke_async(&mut conn))
