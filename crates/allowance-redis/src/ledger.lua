@@ -453,6 +453,15 @@ local function observe_scope(sc)
   end
 end
 
+-- The scopes' due holds, before they are read. A tenant-namespaced scope's
+-- holds all belong to reservations of its tenant group: when the group's
+-- expiries were all just observed (`seen_all`), it has none due left.
+local function observe_scopes(scopes, base, seen_all)
+  for _, sc in ipairs(scopes) do
+    if not (seen_all and sc.b == base) then observe_scope(sc) end
+  end
+end
+
 -- A record, its expiry observed.
 local function load_record(base, id)
   local rkey = base .. ':r:' .. id
@@ -542,7 +551,7 @@ local ops = {}
 function ops.reserve()
   if not calendars_hold(req.scopes) then return reply({t = 'cal', now = now}) end
   local base = req.b
-  observe_tag(base, 64)
+  local seen_all = observe_tag(base, 64) < 64
   local ikey
   if req.ik then
     ikey = base .. ':i:' .. req.tn .. '\n' .. req.ik
@@ -556,7 +565,7 @@ function ops.reserve()
     end
   end
   if redis.call('EXISTS', base .. ':r:' .. req.id) == 1 then return reply({t = 'dup'}) end
-  for _, sc in ipairs(req.scopes) do observe_scope(sc) end
+  observe_scopes(req.scopes, base, seen_all)
   local scopes = {}
   for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
   local denial = check(scopes, false)
@@ -588,7 +597,7 @@ end
 function ops.settle()
   local base = req.b
   if not calendars_hold(req.scopes) then return reply({t = 'cal', now = now}) end
-  observe_tag(base, 64)
+  local seen_all = observe_tag(base, 64) < 64
   local rec = load_record(base, req.id)
   if not rec then return reply({t = 'nf'}) end
   if rec.st == 'settled' then return reply({t = 'ok', rec = rec}) end
@@ -596,7 +605,7 @@ function ops.settle()
   -- The charges were worked out from this version of the record.
   if rec.v ~= req.v then return reply({t = 'retry'}) end
   local held = rec.st == 'held'
-  for _, sc in ipairs(req.scopes) do observe_scope(sc) end
+  observe_scopes(req.scopes, base, seen_all)
   -- Every scope read before the first write.
   local scopes = {}
   for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
@@ -646,12 +655,12 @@ end
 function ops.extend()
   local base = req.b
   if not calendars_hold(req.scopes) then return reply({t = 'cal', now = now}) end
-  observe_tag(base, 64)
+  local seen_all = observe_tag(base, 64) < 64
   local rec = load_record(base, req.id)
   if not rec then return reply({t = 'nf'}) end
   if rec.st ~= 'held' then return reply({t = 'notheld', st = rec.st}) end
   if rec.v ~= req.v then return reply({t = 'retry'}) end
-  for _, sc in ipairs(req.scopes) do observe_scope(sc) end
+  observe_scopes(req.scopes, base, seen_all)
   local scopes = {}
   for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
   local grow = has_any(req.h)
