@@ -48,7 +48,7 @@ async fn fail_open_local_admits_at_most_the_emergency_limits() {
     let mut redis = RedisServer::start_with(RedisOptions {
         appendonly: true,
         appendfsync: "always",
-        extra: Vec::new(),
+        ..Default::default()
     });
     let toml = format!(
         "{CONFIG}\n[store]\nkind = \"redis\"\nurl = \"{}\"\ntimeout_ms = 300\non_error = \"fail_open_local\"\nfail_open_fraction = 0.1\n",

@@ -78,7 +78,7 @@ fn aof() -> ServerOptions {
     ServerOptions {
         appendonly: true,
         appendfsync: "always",
-        extra: Vec::new(),
+        ..Default::default()
     }
 }
 

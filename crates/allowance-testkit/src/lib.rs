@@ -11,6 +11,11 @@
 //! callable from sync tests and from async tests alike. Unix only: stopping
 //! and continuing a server sends `SIGSTOP` / `SIGCONT` through `kill(1)`.
 //!
+//! Besides single nodes there are TLS servers ([`RedisOptions::tls`], with a
+//! throwaway CA made by the `openssl` command-line tool), replicas
+//! ([`RedisServer::replica_of`]), Sentinels ([`RedisSentinel`]) and clusters
+//! ([`RedisCluster`]).
+//!
 //! ```no_run
 //! use allowance_testkit::{RedisServer, redis_available};
 //!
@@ -50,6 +55,24 @@ const CLUSTER_BUS_OFFSET: u16 = 10_000;
 const LOG_FILE: &str = "redis.log";
 /// The server's stdout and stderr (errors before the log file is open), inside its directory.
 const STDIO_FILE: &str = "stdio.log";
+/// A TLS server's CA certificate (PEM), inside its directory.
+const CA_CERT_FILE: &str = "ca.crt";
+/// A TLS server's CA private key, inside its directory.
+const CA_KEY_FILE: &str = "ca.key";
+/// A TLS server's certificate (PEM, signed by the CA), inside its directory.
+const SERVER_CERT_FILE: &str = "server.crt";
+/// A TLS server's private key, inside its directory.
+const SERVER_KEY_FILE: &str = "server.key";
+/// How long the generated certificates are valid.
+const CERT_DAYS: &str = "7";
+/// How long a new replica has to report `master_link_status:up`.
+const REPLICA_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a new Sentinel has to name its master and see its replicas.
+const SENTINEL_TIMEOUT: Duration = Duration::from_secs(15);
+/// A Sentinel's configuration file, inside its directory (Sentinel rewrites it).
+const SENTINEL_CONF: &str = "sentinel.conf";
+/// A Sentinel's own log file, inside its directory.
+const SENTINEL_LOG: &str = "sentinel.log";
 
 /// Whether `redis-server` can be used by the tests of this run.
 ///
@@ -229,15 +252,29 @@ pub struct RedisOptions {
     /// If they contain `--cluster-enabled`, the port is chosen so that the
     /// cluster bus port (port + 10000) is free as well.
     pub extra: Vec<String>,
+    /// Serve TLS only (no plain-text port).
+    ///
+    /// At its first start the server gets, in its directory and made with the
+    /// `openssl` command-line tool, a throwaway CA (`ca.key`, `ca.crt`, see
+    /// [`RedisServer::ca_file`]) and a certificate for IP `127.0.0.1` and DNS
+    /// `localhost` signed by it (`server.key`, `server.crt`); it then runs
+    /// with `--port 0 --tls-port P --tls-cert-file … --tls-key-file …
+    /// --tls-ca-cert-file ca.crt --tls-auth-clients no`. Its
+    /// [`RedisServer::url`] is `rediss://127.0.0.1:P/0`, and
+    /// [`RedisServer::command`] talks to it through `openssl s_client`,
+    /// verifying its certificate against the CA. Not supported for cluster
+    /// nodes, replicas or Sentinel-monitored masters.
+    pub tls: bool,
 }
 
 impl Default for RedisOptions {
-    /// No append-only file, `everysec`, no extra arguments.
+    /// No append-only file, `everysec`, no extra arguments, no TLS.
     fn default() -> Self {
         RedisOptions {
             appendonly: false,
             appendfsync: "everysec",
             extra: Vec::new(),
+            tls: false,
         }
     }
 }
@@ -271,8 +308,10 @@ pub struct RedisServer {
     port: u16,
     /// The options it was started with (kept across restarts).
     opts: RedisOptions,
-    /// Its `--dir`: log, append-only file, `nodes.conf`.
+    /// Its `--dir`: log, append-only file, `nodes.conf`, TLS files.
     dir: tempfile::TempDir,
+    /// `dir/ca.crt` (meaningful with TLS only).
+    ca_path: PathBuf,
 }
 
 impl RedisServer {
@@ -298,11 +337,13 @@ impl RedisServer {
     /// If `redis-server` cannot be spawned, exits, or does not answer in
     /// time; the message carries the tail of its log.
     pub fn start_with(opts: RedisOptions) -> RedisServer {
+        let dir = new_tempdir();
         let mut server = RedisServer {
             child: None,
             pid: 0,
             port: 0,
-            dir: new_tempdir(),
+            ca_path: dir.path().join(CA_CERT_FILE),
+            dir,
             opts,
         };
         let mut last_error = String::new();
@@ -315,6 +356,7 @@ impl RedisServer {
                     // Whatever the failed attempt left (a nodes.conf naming the old port…) goes.
                     if attempt < START_ATTEMPTS {
                         server.dir = new_tempdir();
+                        server.ca_path = server.dir.path().join(CA_CERT_FILE);
                     }
                 }
                 Err(LaunchError::Failed(message)) => panic!("{message}"),
@@ -330,9 +372,24 @@ impl RedisServer {
         self.port
     }
 
-    /// Its URL: `redis://127.0.0.1:PORT/0`.
+    /// Its URL: `redis://127.0.0.1:PORT/0`, or `rediss://127.0.0.1:PORT/0` with [`RedisOptions::tls`].
     pub fn url(&self) -> String {
-        format!("redis://{HOST}:{}/0", self.port)
+        let scheme = if self.opts.tls { "rediss" } else { "redis" };
+        format!("{scheme}://{HOST}:{}/0", self.port)
+    }
+
+    /// Whether it serves TLS ([`RedisOptions::tls`]).
+    pub fn is_tls(&self) -> bool {
+        self.opts.tls
+    }
+
+    /// The CA certificate (PEM) its TLS certificate is signed by; `None` without [`RedisOptions::tls`].
+    ///
+    /// Trust this file (e.g. `SSL_CERT_FILE=<it>` for a client that reads
+    /// the system roots) to verify the server. It stays the same across
+    /// [`RedisServer::restart`]s.
+    pub fn ca_file(&self) -> Option<&Path> {
+        self.opts.tls.then_some(self.ca_path.as_path())
     }
 
     /// The pid of its process (of the latest one after a [`RedisServer::restart`]).
@@ -409,14 +466,79 @@ impl RedisServer {
     }
 
     /// Sends one command to this server; see the free function [`command`].
+    ///
+    /// With [`RedisOptions::tls`] the command goes through `openssl s_client`
+    /// (a process per call), which verifies the server's certificate against
+    /// [`RedisServer::ca_file`] and IP `127.0.0.1`; the reply is rendered the
+    /// same way, and a failed handshake is an error carrying `openssl`'s
+    /// messages.
     pub fn command(&self, args: &[&str]) -> io::Result<String> {
-        command(self.port, args)
+        self.command_timeout(args, DEFAULT_TIMEOUT)
+    }
+
+    /// [`RedisServer::command`] with `timeout` as the bound (connect, read and write; the whole call with TLS).
+    pub fn command_timeout(&self, args: &[&str], timeout: Duration) -> io::Result<String> {
+        if self.opts.tls {
+            tls_command(self.port, &self.ca_path, args, timeout)
+        } else {
+            command_timeout(self.port, args, timeout)
+        }
+    }
+
+    /// Starts a replica of `master` (`--replicaof 127.0.0.1 MASTER_PORT`), waiting until it is in sync.
+    ///
+    /// Default options otherwise; returns once the replica's `INFO
+    /// replication` shows `master_link_status:up` (at most 10 s).
+    ///
+    /// # Panics
+    ///
+    /// If `master` serves TLS (not supported), or the replica does not
+    /// start or link up in time (the message carries both logs' tails).
+    pub fn replica_of(master: &RedisServer) -> RedisServer {
+        assert!(
+            !master.opts.tls,
+            "replicas of TLS servers are not supported by the testkit"
+        );
+        let replica = RedisServer::start_with(RedisOptions {
+            extra: vec![
+                "--replicaof".into(),
+                HOST.to_string(),
+                master.port.to_string(),
+            ],
+            ..RedisOptions::default()
+        });
+        let deadline = Instant::now() + REPLICA_TIMEOUT;
+        loop {
+            let info = replica
+                .command(&["INFO", "replication"])
+                .unwrap_or_else(|e| format!("error: {e}"));
+            if info
+                .lines()
+                .any(|line| line.trim_end() == "master_link_status:up")
+            {
+                return replica;
+            }
+            if Instant::now() >= deadline {
+                panic!(
+                    "replica on port {} of 127.0.0.1:{} not linked up within {REPLICA_TIMEOUT:?}; \
+                     INFO replication:\n{info}\nreplica {}master {}",
+                    replica.port,
+                    master.port,
+                    replica.log_tail(),
+                    master.log_tail()
+                );
+            }
+            sleep(POLL);
+        }
     }
 
     /// Spawns `redis-server` on `self.port` in `self.dir` and waits until it answers.
     fn launch(&mut self) -> Result<(), LaunchError> {
         debug_assert!(self.child.is_none());
         let dir = self.dir.path().to_owned();
+        if self.opts.tls && !dir.join(SERVER_CERT_FILE).exists() {
+            make_certificates(&dir).map_err(LaunchError::Failed)?;
+        }
         let stdio = OpenOptions::new()
             .create(true)
             .append(true)
@@ -424,11 +546,21 @@ impl RedisServer {
             .and_then(|file| Ok((file.try_clone()?, file)))
             .unwrap_or_else(|e| panic!("cannot create {}: {e}", dir.join(STDIO_FILE).display()));
         let mut cmd = Command::new("redis-server");
-        cmd.arg("--bind")
-            .arg(HOST.to_string())
-            .arg("--port")
-            .arg(self.port.to_string())
-            .arg("--dir")
+        cmd.arg("--bind").arg(HOST.to_string());
+        if self.opts.tls {
+            cmd.args(["--port", "0", "--tls-port"])
+                .arg(self.port.to_string())
+                .arg("--tls-cert-file")
+                .arg(dir.join(SERVER_CERT_FILE))
+                .arg("--tls-key-file")
+                .arg(dir.join(SERVER_KEY_FILE))
+                .arg("--tls-ca-cert-file")
+                .arg(dir.join(CA_CERT_FILE))
+                .args(["--tls-auth-clients", "no"]);
+        } else {
+            cmd.arg("--port").arg(self.port.to_string());
+        }
+        cmd.arg("--dir")
             .arg(&dir)
             .arg("--save")
             .arg("")
@@ -450,12 +582,12 @@ impl RedisServer {
             .spawn()
             .unwrap_or_else(|e| panic!("cannot spawn redis-server: {e}"));
         self.pid = child.id();
-        let child = self.child.insert(child);
+        self.child = Some(child);
 
         let deadline = Instant::now() + READY_TIMEOUT;
         let pid_line = format!("process_id:{}", self.pid);
         loop {
-            if let Ok(Some(status)) = child.try_wait() {
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
                 self.child = None;
                 let log = self.log_tail();
                 return Err(if log.contains("Address already in use") {
@@ -468,9 +600,11 @@ impl RedisServer {
                 });
             }
             // PONG may come from another test's server that took the port; ours then exits.
-            if command_timeout(self.port, &["PING"], Duration::from_secs(1))
+            if self
+                .command_timeout(&["PING"], Duration::from_secs(1))
                 .is_ok_and(|r| r == "PONG")
-                && command(self.port, &["INFO", "server"])
+                && self
+                    .command(&["INFO", "server"])
                     .is_ok_and(|info| info.lines().any(|line| line.trim_end() == pid_line))
             {
                 return Ok(());
@@ -529,18 +663,23 @@ impl RedisServer {
 
     /// The last lines of its log file and of its stdout/stderr, for panic messages.
     fn log_tail(&self) -> String {
-        let mut out = String::new();
-        for name in [LOG_FILE, STDIO_FILE] {
-            let text = fs::read_to_string(self.dir.path().join(name)).unwrap_or_default();
-            let lines: Vec<&str> = text.lines().collect();
-            out.push_str(&format!("--- {name} (last lines) ---\n"));
-            for line in &lines[lines.len().saturating_sub(30)..] {
-                out.push_str(line);
-                out.push('\n');
-            }
-        }
-        out
+        log_tail(self.dir.path(), &[LOG_FILE, STDIO_FILE])
     }
+}
+
+/// The last lines of the files `names` in `dir`, for panic messages.
+fn log_tail(dir: &Path, names: &[&str]) -> String {
+    let mut out = String::new();
+    for name in names {
+        let text = fs::read_to_string(dir.join(name)).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        out.push_str(&format!("--- {name} (last lines) ---\n"));
+        for line in &lines[lines.len().saturating_sub(30)..] {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
 }
 
 impl Drop for RedisServer {
@@ -606,9 +745,13 @@ impl RedisCluster {
     /// # Panics
     ///
     /// If `masters < 3` (`redis-cli --cluster create` needs three), if
-    /// `redis-cli` is missing or fails, or if the cluster does not become ok
-    /// in time.
+    /// `opts.tls` (not supported), if `redis-cli` is missing or fails, or if
+    /// the cluster does not become ok in time.
     pub fn start_with(masters: usize, mut opts: RedisOptions) -> RedisCluster {
+        assert!(
+            !opts.tls,
+            "TLS cluster nodes are not supported by the testkit"
+        );
         assert!(
             masters >= 3,
             "redis-cli --cluster create needs at least 3 masters, got {masters}"
@@ -689,6 +832,362 @@ impl RedisCluster {
     pub fn nodes_mut(&mut self) -> &mut [RedisServer] {
         &mut self.nodes
     }
+}
+
+/// Makes, with the `openssl` command-line tool, a throwaway CA and a server certificate for
+/// `127.0.0.1` / `localhost` signed by it, in `dir` (see [`RedisOptions::tls`]).
+fn make_certificates(dir: &Path) -> Result<(), String> {
+    let ext = "subjectAltName = IP:127.0.0.1, DNS:localhost\n\
+               basicConstraints = critical, CA:FALSE\n\
+               keyUsage = critical, digitalSignature\n\
+               extendedKeyUsage = serverAuth\n";
+    fs::write(dir.join("server.ext"), ext)
+        .map_err(|e| format!("cannot write {}: {e}", dir.join("server.ext").display()))?;
+    let p256 = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    let steps: [Vec<&str>; 3] = [
+        [
+            &["req", "-x509"][..],
+            &p256,
+            &["-keyout", CA_KEY_FILE, "-out", CA_CERT_FILE],
+        ]
+        .concat()
+        .into_iter()
+        .chain([
+            "-days",
+            CERT_DAYS,
+            "-subj",
+            "/CN=allowance-testkit CA",
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,keyCertSign,cRLSign",
+        ])
+        .collect(),
+        [&["req", "-new"][..], &p256, &["-keyout", SERVER_KEY_FILE]]
+            .concat()
+            .into_iter()
+            .chain(["-out", "server.csr", "-subj", "/CN=127.0.0.1"])
+            .collect(),
+        vec![
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            CA_CERT_FILE,
+            "-CAkey",
+            CA_KEY_FILE,
+            "-CAcreateserial",
+            "-days",
+            CERT_DAYS,
+            "-extfile",
+            "server.ext",
+            "-out",
+            SERVER_CERT_FILE,
+        ],
+    ];
+    for step in steps {
+        let output = Command::new("openssl")
+            .args(&step)
+            .current_dir(dir)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("cannot run openssl (is it on PATH?): {e}"))?;
+        if !output.status.success() {
+            return Err(format!(
+                "openssl {} failed ({}):\n{}{}",
+                step.join(" "),
+                output.status,
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// [`command_timeout`] to a TLS server, through an `openssl s_client` process.
+///
+/// The server's certificate is verified against `ca_file` and IP
+/// `127.0.0.1`. `timeout` bounds the whole call (handshake included): the
+/// process is killed when it has not produced a complete reply by then
+/// ([`io::ErrorKind::TimedOut`]). A failed connection or handshake is an
+/// error carrying `openssl`'s messages.
+fn tls_command(port: u16, ca_file: &Path, args: &[&str], timeout: Duration) -> io::Result<String> {
+    let mut child = Command::new("openssl")
+        .arg("s_client")
+        .arg("-connect")
+        .arg(format!("{HOST}:{port}"))
+        // No session output on stdout (only the server's bytes), and the end
+        // of stdin does not end the connection.
+        .arg("-quiet")
+        .arg("-verify_return_error")
+        .arg("-CAfile")
+        .arg(ca_file)
+        .arg("-verify_ip")
+        .arg(HOST.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| io::Error::new(e.kind(), format!("cannot run openssl s_client: {e}")))?;
+    let stdout = child.stdout.take().expect("piped stdout");
+    let (sender, receiver) = std::sync::mpsc::channel();
+    // Ends when the reply is read or the process is gone (its stdout closes).
+    std::thread::spawn(move || {
+        let _ = sender.send(read_reply(&mut BufReader::new(stdout)));
+    });
+    // Fails only when the process already exited (refused, bad handshake): the reader says so.
+    let _ = child
+        .stdin
+        .take()
+        .expect("piped stdin")
+        .write_all(&encode_command(args));
+    let outcome = receiver.recv_timeout(timeout);
+    let _ = child.kill();
+    let _ = child.wait();
+    let mut stderr = String::new();
+    if let Some(mut pipe) = child.stderr.take() {
+        let _ = io::Read::read_to_string(&mut pipe, &mut stderr);
+    }
+    match outcome {
+        Ok(Ok(Reply::Error(message))) => Err(io::Error::other(message)),
+        Ok(Ok(reply)) => Ok(reply.render()),
+        Ok(Err(e)) => Err(io::Error::new(
+            e.kind(),
+            format!(
+                "TLS command to {HOST}:{port} failed: {e}; openssl s_client said: {}",
+                stderr.trim()
+            ),
+        )),
+        Err(_) => Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("no reply over TLS from {HOST}:{port} within {timeout:?}"),
+        )),
+    }
+}
+
+/// A Redis Sentinel process monitoring one master, listening on `127.0.0.1`, with its own
+/// temporary directory.
+///
+/// Dropping it kills the process with `SIGKILL`, reaps it and removes the
+/// directory, like a [`RedisServer`].
+#[derive(Debug)]
+pub struct RedisSentinel {
+    /// The running process; `None` after [`RedisSentinel::kill9`].
+    child: Option<Child>,
+    /// Its pid.
+    pid: u32,
+    /// The port it listens on.
+    port: u16,
+    /// Its directory: `sentinel.conf` (rewritten by Sentinel), its log.
+    dir: tempfile::TempDir,
+}
+
+impl RedisSentinel {
+    /// Starts a Sentinel monitoring `master` under `name`, with quorum 1.
+    ///
+    /// Writes, in its own temporary directory, a `sentinel.conf` with `port
+    /// SP`, `bind 127.0.0.1`, `sentinel resolve-hostnames no`, `sentinel
+    /// monitor NAME 127.0.0.1 MASTER_PORT 1`, `sentinel
+    /// down-after-milliseconds NAME 1000` and `sentinel failover-timeout NAME
+    /// 5000`, and runs `redis-server sentinel.conf --sentinel` (retried on a
+    /// new port, up to 5 times, when the port is taken). Returns once
+    /// `SENTINEL get-master-addr-by-name NAME` answers the master's port and
+    /// the Sentinel knows as many replicas as the master has connected (so a
+    /// failover can promote one), within 15 s.
+    ///
+    /// # Panics
+    ///
+    /// If `master` serves TLS (not supported), `name` is empty or holds
+    /// whitespace, or the Sentinel cannot start or be ready in time (the
+    /// message carries its log's tail).
+    pub fn start(master: &RedisServer, name: &str) -> RedisSentinel {
+        assert!(
+            !master.opts.tls,
+            "Sentinel over TLS is not supported by the testkit"
+        );
+        assert!(
+            !name.is_empty() && !name.contains(char::is_whitespace),
+            "bad master name {name:?}"
+        );
+        let mut last_error = String::new();
+        for _ in 0..START_ATTEMPTS {
+            let mut sentinel = RedisSentinel {
+                child: None,
+                pid: 0,
+                port: free_port(false),
+                dir: new_tempdir(),
+            };
+            match sentinel.launch(master, name) {
+                Ok(()) => return sentinel,
+                Err(LaunchError::PortBusy(log)) => last_error = log,
+                Err(LaunchError::Failed(message)) => panic!("{message}"),
+            }
+        }
+        panic!(
+            "redis sentinel could not bind a free port in {START_ATTEMPTS} attempts; last log:\n{last_error}"
+        );
+    }
+
+    /// The port it listens on, on `127.0.0.1`.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The store URL of the master it monitors as `name`: `redis+sentinel://127.0.0.1:SP/NAME/0`.
+    pub fn url(&self, name: &str) -> String {
+        format!("redis+sentinel://{HOST}:{}/{name}/0", self.port)
+    }
+
+    /// The pid of its process.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Its directory: `sentinel.conf`, `sentinel.log`.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Sends one command to it; see the free function [`command`].
+    pub fn command(&self, args: &[&str]) -> io::Result<String> {
+        command(self.port, args)
+    }
+
+    /// The port of the master it names for `name` now (`SENTINEL get-master-addr-by-name`).
+    ///
+    /// `None` when it does not answer or knows no such master.
+    pub fn master_port(&self, name: &str) -> Option<u16> {
+        let reply = self
+            .command(&["SENTINEL", "get-master-addr-by-name", name])
+            .ok()?;
+        let mut lines = reply.lines();
+        match (lines.next(), lines.next()) {
+            (Some(_host), Some(port)) => port.trim().parse().ok(),
+            _ => None,
+        }
+    }
+
+    /// Kills the process with `SIGKILL` and waits for it; no-op if it is not running.
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Writes the configuration, spawns the Sentinel and waits until it is ready (see [`RedisSentinel::start`]).
+    fn launch(&mut self, master: &RedisServer, name: &str) -> Result<(), LaunchError> {
+        let dir = self.dir.path().to_owned();
+        let conf = format!(
+            "port {port}\n\
+             bind {HOST}\n\
+             protected-mode no\n\
+             daemonize no\n\
+             dir {dir}\n\
+             logfile {log}\n\
+             sentinel resolve-hostnames no\n\
+             sentinel monitor {name} {HOST} {master_port} 1\n\
+             sentinel down-after-milliseconds {name} 1000\n\
+             sentinel failover-timeout {name} 5000\n",
+            port = self.port,
+            dir = dir.display(),
+            log = dir.join(SENTINEL_LOG).display(),
+            master_port = master.port,
+        );
+        let conf_path = dir.join(SENTINEL_CONF);
+        fs::write(&conf_path, conf)
+            .unwrap_or_else(|e| panic!("cannot write {}: {e}", conf_path.display()));
+        let stdio = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join(STDIO_FILE))
+            .and_then(|file| Ok((file.try_clone()?, file)))
+            .unwrap_or_else(|e| panic!("cannot create {}: {e}", dir.join(STDIO_FILE).display()));
+        let child = Command::new("redis-server")
+            .arg(&conf_path)
+            .arg("--sentinel")
+            .stdin(Stdio::null())
+            .stdout(stdio.0)
+            .stderr(stdio.1)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot spawn redis-server --sentinel: {e}"));
+        self.pid = child.id();
+        self.child = Some(child);
+
+        let deadline = Instant::now() + SENTINEL_TIMEOUT;
+        let pid_line = format!("process_id:{}", self.pid);
+        let mut seen = String::new();
+        loop {
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
+                self.child = None;
+                let log = log_tail(&dir, &[SENTINEL_LOG, STDIO_FILE]);
+                return Err(if log.contains("Address already in use") {
+                    LaunchError::PortBusy(log)
+                } else {
+                    LaunchError::Failed(format!(
+                        "redis sentinel on port {} exited ({status}) during startup; log:\n{log}",
+                        self.port
+                    ))
+                });
+            }
+            // Ours (not another test's process on the port), naming the master, seeing its replicas.
+            let ours = command_timeout(self.port, &["INFO", "server"], Duration::from_secs(1))
+                .is_ok_and(|info| info.lines().any(|line| line.trim_end() == pid_line));
+            if ours && self.master_port(name) == Some(master.port) {
+                let replicas = master
+                    .command(&["INFO", "replication"])
+                    .ok()
+                    .and_then(|info| info_field(&info, "connected_slaves"));
+                seen = self
+                    .command(&["SENTINEL", "master", name])
+                    .unwrap_or_else(|e| format!("error: {e}"));
+                let known = field_after(&seen, "num-slaves");
+                if replicas.is_some() && known >= replicas {
+                    return Ok(());
+                }
+            }
+            if Instant::now() >= deadline {
+                self.kill9();
+                return Err(LaunchError::Failed(format!(
+                    "redis sentinel on port {} not ready for master {name} (127.0.0.1:{}) within \
+                     {SENTINEL_TIMEOUT:?}; SENTINEL master: {seen:?}; log:\n{}",
+                    self.port,
+                    master.port,
+                    log_tail(&dir, &[SENTINEL_LOG, STDIO_FILE])
+                )));
+            }
+            sleep(POLL);
+        }
+    }
+}
+
+impl Drop for RedisSentinel {
+    /// `SIGKILL`s and reaps the process; the directory is removed afterwards.
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// The number after `field:` in an `INFO` reply.
+fn info_field(info: &str, field: &str) -> Option<u64> {
+    info.lines()
+        .find_map(|line| line.trim_end().strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|value| value.parse().ok())
+}
+
+/// The number on the line after the line `field` in a rendered flat key/value array.
+fn field_after(rendered: &str, field: &str) -> Option<u64> {
+    let mut lines = rendered.lines();
+    lines.find(|line| *line == field)?;
+    lines.next()?.parse().ok()
 }
 
 #[cfg(test)]
