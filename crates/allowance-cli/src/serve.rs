@@ -167,6 +167,10 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     let options = Options {
         store_timeout,
         max_wait_ms: config.queue.max_wait_ms,
+        queue_limits: allowance_server::QueueLimits {
+            per_tenant: config.queue.max_waiters_per_tenant,
+            total: config.queue.max_waiters,
+        },
         ..Options::default()
     };
     let state = AppState::new(store, creds, options);

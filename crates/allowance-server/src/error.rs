@@ -34,6 +34,9 @@ pub struct ErrorObject {
     /// The reservation's status, on a `conflict` about one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub status: Option<&'static str>,
+    /// A waiting reserve refused because the admission queue is full.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub queue_full: Option<bool>,
 }
 
 /// What a denial adds to the error object (HTTP-API.md "Errors").
@@ -86,6 +89,7 @@ impl ApiError {
                 field: None,
                 denial: None,
                 status: None,
+                queue_full: None,
             },
             headers: HeaderMap::new(),
         }))
@@ -199,6 +203,12 @@ impl ApiError {
         put("ratelimit-policy", &binding.policy());
         put("ratelimit", &binding.state());
         e
+    }
+
+    /// Marks a denial as given because the admission queue is full.
+    pub fn queue_full(mut self) -> Self {
+        self.0.object.queue_full = Some(true);
+        self
     }
 
     /// The HTTP status.

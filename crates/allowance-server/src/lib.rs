@@ -26,6 +26,7 @@ pub mod extract;
 pub mod headers;
 pub mod metrics;
 mod openapi;
+mod queue;
 mod routes;
 mod usage;
 pub mod wire;
@@ -46,6 +47,7 @@ pub use auth::{Credential, Credentials, Principal, new_token, token_sha256_hex};
 pub use clock::{RandomIds, SystemClock};
 pub use error::ApiError;
 pub use openapi::openapi_json;
+pub use queue::{AdmissionQueue, QueueLimits, RECHECK};
 
 /// Server knobs that are not the ledger's.
 #[derive(Debug, Clone)]
@@ -58,6 +60,8 @@ pub struct Options {
     pub max_wait_ms: u64,
     /// How often the background sweeper expires abandoned holds.
     pub sweep_interval: Duration,
+    /// `[queue] max_waiters_per_tenant` and `max_waiters`.
+    pub queue_limits: QueueLimits,
 }
 
 impl Default for Options {
@@ -67,6 +71,7 @@ impl Default for Options {
             request_timeout: Duration::from_secs(30),
             max_wait_ms: 60_000,
             sweep_interval: Duration::from_millis(250),
+            queue_limits: QueueLimits::default(),
         }
     }
 }
@@ -86,6 +91,7 @@ struct Inner {
     /// Admin changes that register custom dimensions before a plan are two
     /// catalog changes: they must not interleave.
     admin: tokio::sync::Mutex<()>,
+    queue: Arc<AdmissionQueue>,
 }
 
 impl AppState {
@@ -106,6 +112,7 @@ impl AppState {
         options: Options,
         clock: Arc<dyn Clock>,
     ) -> Self {
+        let queue = Arc::new(AdmissionQueue::new(options.queue_limits));
         AppState {
             inner: Arc::new(Inner {
                 store,
@@ -114,6 +121,7 @@ impl AppState {
                 metrics: metrics::install(),
                 clock,
                 admin: tokio::sync::Mutex::new(()),
+                queue,
             }),
         }
     }
@@ -132,6 +140,11 @@ impl AppState {
 
     pub(crate) fn now(&self) -> allowance_core::Timestamp {
         self.inner.clock.now()
+    }
+
+    /// The admission queue (`wait_ms`).
+    pub fn queue(&self) -> &Arc<AdmissionQueue> {
+        &self.inner.queue
     }
 
     pub(crate) fn admin_lock(&self) -> &tokio::sync::Mutex<()> {
@@ -157,7 +170,9 @@ impl AppState {
 
 /// The whole HTTP API over `state`.
 pub fn app(state: AppState) -> Router {
-    let timeout = state.options().request_timeout;
+    // A reserve may wait in the queue for up to `max_wait_ms` on top.
+    let timeout =
+        state.options().request_timeout + Duration::from_millis(state.options().max_wait_ms);
     routes::router()
         .merge(admin::router())
         .merge(openapi::router())
@@ -185,10 +200,17 @@ pub fn spawn_sweeper(state: &AppState) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(state.options().sweep_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_expired = 0;
         loop {
             tick.tick().await;
             match state.call(state.store().expire_due()).await {
-                Ok(Ok(_)) => {}
+                Ok(Ok(expired)) => {
+                    if expired != last_expired {
+                        // Expiries free room: the queue looks again.
+                        last_expired = expired;
+                        state.queue().kick();
+                    }
+                }
                 Ok(Err(e)) => tracing::warn!(error = %e, "expiry sweep failed"),
                 Err(_) => tracing::warn!("expiry sweep: the store did not answer in time"),
             }

@@ -2,11 +2,11 @@
 //! the operations routes.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use allowance_core::{
-    Catalog, Charge, Reservation, ReservationId, ReserveError, ReserveRequest, ScopeKey,
-    StoreError, Usage,
+    Catalog, Charge, DenialKind, Granted, Reservation, ReservationId, ReserveError, ReserveRequest,
+    ScopeKey, StoreError, Unavailable, Usage,
 };
 use axum::Router;
 use axum::extract::{Path, State};
@@ -103,19 +103,11 @@ fn reserve_request(
     max_wait_ms: u64,
 ) -> Result<ReserveRequest, ApiError> {
     if let Some(w) = body.wait_ms
-        && w.0 > 0
+        && w.0 > max_wait_ms
     {
-        if w.0 > max_wait_ms {
-            return Err(ApiError::invalid(
-                Some("wait_ms".into()),
-                format!("at most {max_wait_ms} ms (queue.max_wait_ms)"),
-            ));
-        }
-        // The admission queue is a later part of the server: refuse plainly
-        // rather than answer at once as if the caller had not asked to wait.
         return Err(ApiError::invalid(
             Some("wait_ms".into()),
-            "waiting in the admission queue is not available in this version: send 0 or omit it",
+            format!("at most {max_wait_ms} ms (queue.max_wait_ms)"),
         ));
     }
     let pairs: Vec<(&str, &str)> = body
@@ -163,8 +155,14 @@ pub(crate) async fn reserve(
             )));
         }
         let catalog = state.catalog().await?;
+        // A dry run answers at once (HTTP-API.md: it ignores wait_ms).
+        let wait_ms = match body.wait_ms {
+            Some(w) if !body.dry_run => w.0,
+            _ => 0,
+        };
+        let priority = body.priority.unwrap_or(0);
         let req = reserve_request(body, &catalog, state.options().max_wait_ms)?;
-        let granted = match state.call(state.store().reserve(&req)).await? {
+        let granted = match admit(&state, &catalog, &req, wait_ms, priority).await? {
             Ok(g) => g,
             Err(e) => {
                 if let StoreError::Rejected(ReserveError::Denied(d)) = &e {
@@ -224,6 +222,7 @@ pub(crate) async fn get_reservation(
             return Err(ApiError::not_found("reservation not found"));
         };
         let catalog = state.catalog().await?;
+        state.queue().kick();
         Ok(("ok", reservation_answer(&r, &catalog)))
     })
     .await
@@ -277,6 +276,7 @@ pub(crate) async fn settle(
             .call(state.store().settle(id, &usage))
             .await?
             .map_err(|e| e.into_api(state.now(), &catalog))?;
+        state.queue().kick();
         Ok(("ok", reservation_answer(&r, &catalog)))
     })
     .await
@@ -307,6 +307,7 @@ pub(crate) async fn refund(
             .call(state.store().refund(id))
             .await?
             .map_err(|e| e.into_api(state.now(), &catalog))?;
+        state.queue().kick();
         Ok(("ok", reservation_answer(&r, &catalog)))
     })
     .await
@@ -363,6 +364,7 @@ pub(crate) async fn extend(
                 return Err(e.into_api(state.now(), &catalog));
             }
         };
+        state.queue().kick();
         Ok(("ok", reservation_answer(&r, &catalog)))
     })
     .await
@@ -448,4 +450,86 @@ pub(crate) async fn metrics_text(State(state): State<AppState>) -> Response {
         state.metrics().render(),
     )
         .into_response()
+}
+
+/// A reserve through the admission queue: at once when no waiter is
+/// blocked on its scopes (else refused with that waiter's denial, so it
+/// never takes room a waiter could use); refused for a retryable reason
+/// with `wait_ms > 0`, it waits for room (see `queue.rs`).
+async fn admit(
+    state: &AppState,
+    catalog: &Catalog,
+    req: &ReserveRequest,
+    wait_ms: u64,
+    priority: i32,
+) -> Result<Result<Granted, StoreError<ReserveError>>, ApiError> {
+    let queue = state.queue().clone();
+    let first = match queue.blocking(req) {
+        Some(d) if !req.dry_run => Err(StoreError::Rejected(ReserveError::Denied(d))),
+        _ => state.call(state.store().reserve(req)).await?,
+    };
+    let denial = match first {
+        Err(StoreError::Rejected(ReserveError::Denied(d)))
+            if wait_ms > 0 && d.kind == DenialKind::RateLimited =>
+        {
+            d
+        }
+        other => return Ok(other),
+    };
+    let weight = catalog.plan_for(req.scopes.tenant()).queue_weight();
+    let (tx, mut rx) = tokio::sync::oneshot::channel();
+    let started = tokio::time::Instant::now();
+    let ticket = match queue.push(Arc::new(req.clone()), weight, priority, denial, tx) {
+        Ok(t) => t,
+        Err(crate::queue::QueueFull(d)) => {
+            ::metrics::counter!("allowance_queue_full_total").increment(1);
+            return Err(ApiError::denied(&d, state.now(), catalog).queue_full());
+        }
+    };
+    // Leaves the queue if this request is dropped (the client went away).
+    let leave = Leave {
+        queue: queue.clone(),
+        ticket: Some(ticket),
+    };
+    queue.ensure_dispatcher(state.clone());
+    queue.kick();
+    let deadline = started + Duration::from_millis(wait_ms);
+    let outcome = tokio::select! {
+        r = &mut rx => r.ok(),
+        _ = tokio::time::sleep_until(deadline) => match queue.remove(ticket) {
+            Some(d) => {
+                ::metrics::counter!("allowance_queue_timeouts_total").increment(1);
+                Some(Err(StoreError::Rejected(ReserveError::Denied(d))))
+            }
+            // Admitted in the same instant: the grant is on its way.
+            None => rx.await.ok(),
+        },
+    };
+    leave.disarm();
+    ::metrics::histogram!("allowance_queue_wait_seconds").record(started.elapsed().as_secs_f64());
+    Ok(outcome.unwrap_or_else(|| {
+        Err(StoreError::Unavailable(Unavailable(
+            "the admission queue stopped".into(),
+        )))
+    }))
+}
+
+/// Takes a waiter out of the queue when its request is dropped.
+struct Leave {
+    queue: Arc<crate::AdmissionQueue>,
+    ticket: Option<crate::queue::Ticket>,
+}
+
+impl Leave {
+    fn disarm(mut self) {
+        self.ticket = None;
+    }
+}
+
+impl Drop for Leave {
+    fn drop(&mut self) {
+        if let Some(t) = self.ticket.take() {
+            self.queue.remove(t);
+        }
+    }
 }

@@ -1,0 +1,400 @@
+//! The admission queue (`wait_ms`, HTTP-API.md): a reserve refused for a
+//! retryable reason waits here and is admitted as soon as room frees.
+//!
+//! - **Wake-ups** — a dispatcher task tries the waiters again when this
+//!   server settles, refunds or expires something ([`AdmissionQueue::kick`])
+//!   and when a waiter's `retry_after` comes (a timer per earliest retry,
+//!   never a polling loop); with a store shared by several servers (Redis),
+//!   another server's settle is seen at the latest by a bounded re-check
+//!   ([`RECHECK`]).
+//! - **Fairness** — start-time fair queueing across tenants: each tenant
+//!   has a virtual time that grows by `1 / queue_weight` per admission, and
+//!   the tenant with the lowest goes first; a tenant that starts waiting
+//!   joins at the current virtual time (no banked credit). Within a tenant,
+//!   higher `priority` first, then first come first served. Only each
+//!   tenant's first waiter is tried.
+//! - **No waiter's room is taken** — a waiter refused by scope S blocks S:
+//!   waiters after it in the fair order that touch S are not tried in that
+//!   pass, and an immediate reserve touching S is refused with that
+//!   waiter's denial. Waiters refused elsewhere proceed.
+//! - **Cancellation** — a waiter whose request is dropped (the client went
+//!   away) leaves the queue at once; if the dispatcher admitted it in the
+//!   same instant, the grant finds no one and is refunded.
+//! - **Bounds** — waiters per tenant and in all; past them the refusal is
+//!   the denial at once, marked `queue_full`.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use allowance_core::{
+    Denial, DenialKind, Granted, ReserveError, ReserveRequest, ScopeKey, StoreError, Unavailable,
+};
+use tokio::sync::{Notify, oneshot};
+use tokio::time::Instant;
+
+/// The longest a waiter goes untried: what bounds the wait for room freed
+/// by another server sharing the store, which this one is not told of.
+pub const RECHECK: Duration = Duration::from_secs(1);
+
+/// One admission's share of virtual time at weight 1 (a multiple of every
+/// weight up to 1000 would be exact; this keeps the ratios within 1e-6).
+const VTIME_UNIT: u128 = 1 << 40;
+
+/// How many may wait.
+#[derive(Clone, Copy, Debug)]
+pub struct QueueLimits {
+    /// Waiters one tenant may have at once.
+    pub per_tenant: usize,
+    /// Waiters in all.
+    pub total: usize,
+}
+
+impl Default for QueueLimits {
+    fn default() -> Self {
+        QueueLimits {
+            per_tenant: 1000,
+            total: 100_000,
+        }
+    }
+}
+
+/// What a waiter is finally told.
+pub(crate) type Outcome = Result<Granted, StoreError<ReserveError>>;
+
+struct Waiter {
+    tenant: Arc<str>,
+    priority: i32,
+    seq: u64,
+    req: Arc<ReserveRequest>,
+    next_try: Instant,
+    /// Why it waits: its last refusal (the scope in it is what it blocks).
+    denial: Box<Denial>,
+    tx: Option<oneshot::Sender<Outcome>>,
+}
+
+struct TenantQ {
+    /// (priority, arrival) of its waiters, best first.
+    order: BTreeSet<(Reverse<i32>, u64)>,
+    vtime: u128,
+    weight: u32,
+}
+
+#[derive(Default)]
+struct State {
+    next_seq: u64,
+    waiters: HashMap<u64, Waiter>,
+    tenants: HashMap<Arc<str>, TenantQ>,
+    /// Waiters by the scope that refused them last.
+    blocked: HashMap<ScopeKey, usize>,
+    /// The virtual time of the latest admission: where a tenant that starts
+    /// waiting joins.
+    vclock: u128,
+}
+
+/// A waiter's place, to leave the queue with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Ticket(u64);
+
+/// Refused because the queue is full: the denial that sent it there.
+pub(crate) struct QueueFull(pub(crate) Box<Denial>);
+
+/// The queue and its dispatcher's wake-up.
+pub struct AdmissionQueue {
+    state: parking_lot::Mutex<State>,
+    kick: Notify,
+    limits: QueueLimits,
+    started: std::sync::OnceLock<()>,
+}
+
+/// A candidate the dispatcher tries, in fair order.
+struct Candidate {
+    ticket: Ticket,
+    req: Arc<ReserveRequest>,
+}
+
+impl AdmissionQueue {
+    /// An empty queue.
+    pub fn new(limits: QueueLimits) -> Self {
+        AdmissionQueue {
+            state: parking_lot::Mutex::new(State::default()),
+            kick: Notify::new(),
+            limits,
+            started: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Waiters now.
+    pub fn depth(&self) -> usize {
+        self.state.lock().waiters.len()
+    }
+
+    /// Tells the dispatcher room may have freed (a settle, refund, expiry).
+    pub fn kick(&self) {
+        if !self.state.lock().waiters.is_empty() {
+            self.kick.notify_one();
+        }
+    }
+
+    /// The denial of a waiter blocked on one of `scopes`, if any: an
+    /// immediate reserve on them would take room that waiter could use.
+    pub(crate) fn blocking(&self, req: &ReserveRequest) -> Option<Box<Denial>> {
+        let st = self.state.lock();
+        if st.blocked.is_empty() {
+            return None;
+        }
+        let scope = req
+            .scopes
+            .as_slice()
+            .iter()
+            .find(|k| st.blocked.contains_key(*k))?;
+        // The first waiter in fair order blocked there speaks for them all.
+        st.waiters
+            .values()
+            .filter(|w| &w.denial.scope == scope)
+            .min_by_key(|w| (st.tenants.get(&w.tenant).map_or(0, |t| t.vtime), w.seq))
+            .map(|w| w.denial.clone())
+    }
+
+    /// Queues a waiter refused with `denial`; its outcome comes on `tx`.
+    pub(crate) fn push(
+        &self,
+        req: Arc<ReserveRequest>,
+        weight: u32,
+        priority: i32,
+        denial: Box<Denial>,
+        tx: oneshot::Sender<Outcome>,
+    ) -> Result<Ticket, QueueFull> {
+        let tenant: Arc<str> = Arc::from(req.scopes.tenant_name());
+        let mut st = self.state.lock();
+        let tenant_depth = st.tenants.get(&tenant).map_or(0, |t| t.order.len());
+        if st.waiters.len() >= self.limits.total || tenant_depth >= self.limits.per_tenant {
+            return Err(QueueFull(denial));
+        }
+        st.next_seq += 1;
+        let seq = st.next_seq;
+        let vclock = st.vclock;
+        let t = st.tenants.entry(tenant.clone()).or_insert_with(|| TenantQ {
+            order: BTreeSet::new(),
+            vtime: vclock,
+            weight: weight.max(1),
+        });
+        if t.order.is_empty() {
+            // Joins now: no credit banked while it was not waiting.
+            t.vtime = t.vtime.max(vclock);
+        }
+        t.weight = weight.max(1);
+        t.order.insert((Reverse(priority), seq));
+        *st.blocked.entry(denial.scope.clone()).or_default() += 1;
+        st.waiters.insert(
+            seq,
+            Waiter {
+                tenant,
+                priority,
+                seq,
+                req,
+                next_try: retry_at(&denial),
+                denial,
+                tx: Some(tx),
+            },
+        );
+        metrics::gauge!("allowance_queue_depth").set(st.waiters.len() as f64);
+        Ok(Ticket(seq))
+    }
+
+    /// Takes a waiter out (its deadline passed, or its client left):
+    /// `None` if the dispatcher already took it to answer it.
+    pub(crate) fn remove(&self, ticket: Ticket) -> Option<Box<Denial>> {
+        let mut st = self.state.lock();
+        let w = take(&mut st, ticket)?;
+        Some(w.denial)
+    }
+
+    /// Starts the dispatcher on first use.
+    pub(crate) fn ensure_dispatcher(self: &Arc<Self>, state: crate::AppState) {
+        if self.started.set(()).is_ok() {
+            let queue = self.clone();
+            tokio::spawn(async move { queue.dispatch(state).await });
+        }
+    }
+
+    /// The heads of the tenants' queues in fair order; with `all`, whether
+    /// their retry time came or not (room may have freed).
+    fn candidates(&self, all: bool, now: Instant) -> Vec<Candidate> {
+        let st = self.state.lock();
+        let mut heads: Vec<(u128, u64, Ticket)> = st
+            .tenants
+            .values()
+            .filter_map(|t| {
+                let &(_, seq) = t.order.first()?;
+                let w = st.waiters.get(&seq)?;
+                (all || w.next_try <= now).then_some((t.vtime, seq, Ticket(seq)))
+            })
+            .collect();
+        heads.sort_unstable_by_key(|&(v, seq, _)| (v, seq));
+        heads
+            .into_iter()
+            .filter_map(|(_, seq, ticket)| {
+                st.waiters.get(&seq).map(|w| Candidate {
+                    ticket,
+                    req: w.req.clone(),
+                })
+            })
+            .collect()
+    }
+
+    /// When the dispatcher must look again without being kicked.
+    fn next_wake(&self) -> Option<Instant> {
+        let st = self.state.lock();
+        st.tenants
+            .values()
+            .filter_map(|t| t.order.first().and_then(|(_, s)| st.waiters.get(s)))
+            .map(|w| w.next_try)
+            .min()
+    }
+
+    async fn dispatch(self: Arc<Self>, state: crate::AppState) {
+        loop {
+            let kicked = match self.next_wake() {
+                Some(at) => tokio::select! {
+                    _ = self.kick.notified() => true,
+                    _ = tokio::time::sleep_until(at) => false,
+                },
+                None => {
+                    self.kick.notified().await;
+                    true
+                }
+            };
+            self.pass(&state, kicked).await;
+        }
+    }
+
+    /// Tries the waiters in fair order until a pass admits nobody.
+    async fn pass(&self, state: &crate::AppState, mut all: bool) {
+        loop {
+            let now = Instant::now();
+            let candidates = self.candidates(all, now);
+            if candidates.is_empty() {
+                return;
+            }
+            let mut blocked: HashSet<ScopeKey> = HashSet::new();
+            let mut admitted = false;
+            for c in candidates {
+                if c.req.scopes.as_slice().iter().any(|k| blocked.contains(k)) {
+                    continue;
+                }
+                let outcome = match state.call(state.store().reserve(&c.req)).await {
+                    Ok(r) => r,
+                    Err(_) => Err(StoreError::Unavailable(Unavailable(
+                        "the store did not answer in time".into(),
+                    ))),
+                };
+                match outcome {
+                    Ok(granted) => {
+                        admitted = true;
+                        self.admit(state, c.ticket, granted).await;
+                    }
+                    Err(StoreError::Rejected(ReserveError::Denied(d)))
+                        if d.kind == DenialKind::RateLimited =>
+                    {
+                        blocked.insert(d.scope.clone());
+                        self.refused(c.ticket, d);
+                    }
+                    Err(other) => self.finish(c.ticket, Err(other)),
+                }
+            }
+            if !admitted {
+                return;
+            }
+            // New heads: give them their turn now.
+            all = true;
+        }
+    }
+
+    /// Hands a grant to its waiter; if it left meanwhile, gives the room back.
+    async fn admit(&self, state: &crate::AppState, ticket: Ticket, granted: Granted) {
+        let tx = {
+            let mut st = self.state.lock();
+            // Start-time fair queueing: the clock moves to this admission's
+            // start tag, the tenant's virtual time past it.
+            let tenant = st.waiters.get(&ticket.0).map(|w| w.tenant.clone());
+            if let Some(tenant) = tenant
+                && let Some(t) = st.tenants.get_mut(&tenant)
+            {
+                let start = t.vtime;
+                t.vtime += VTIME_UNIT / u128::from(t.weight);
+                st.vclock = st.vclock.max(start);
+            }
+            take(&mut st, ticket).and_then(|mut w| w.tx.take())
+        };
+        metrics::counter!("allowance_queue_admissions_total").increment(1);
+        let id = granted.id;
+        let undelivered = match tx {
+            Some(tx) => tx.send(Ok(granted)).is_err(),
+            None => true,
+        };
+        if undelivered {
+            // The client left as it was admitted: it must hold nothing.
+            if let Ok(Err(e)) = state.call(state.store().refund(id)).await {
+                tracing::warn!(%id, error = %e, "refunding an admission nobody waits for");
+            }
+        }
+    }
+
+    fn refused(&self, ticket: Ticket, d: Box<Denial>) {
+        let mut st = self.state.lock();
+        let State {
+            waiters, blocked, ..
+        } = &mut *st;
+        let Some(w) = waiters.get_mut(&ticket.0) else {
+            return;
+        };
+        if w.denial.scope != d.scope {
+            unblock(blocked, &w.denial.scope);
+            *blocked.entry(d.scope.clone()).or_default() += 1;
+        }
+        w.next_try = retry_at(&d);
+        w.denial = d;
+    }
+
+    fn finish(&self, ticket: Ticket, outcome: Outcome) {
+        let tx = {
+            let mut st = self.state.lock();
+            take(&mut st, ticket).and_then(|mut w| w.tx.take())
+        };
+        if let Some(tx) = tx {
+            let _ = tx.send(outcome);
+        }
+    }
+}
+
+/// When to try a waiter refused with `d` again: at its `retry_after`, and
+/// at least every [`RECHECK`].
+fn retry_at(d: &Denial) -> Instant {
+    let ms = d.retry_after_ms.unwrap_or(1).max(1);
+    Instant::now() + Duration::from_millis(ms).min(RECHECK)
+}
+
+fn unblock(blocked: &mut HashMap<ScopeKey, usize>, scope: &ScopeKey) {
+    if let Some(n) = blocked.get_mut(scope) {
+        *n -= 1;
+        if *n == 0 {
+            blocked.remove(scope);
+        }
+    }
+}
+
+fn take(st: &mut State, ticket: Ticket) -> Option<Waiter> {
+    let w = st.waiters.remove(&ticket.0)?;
+    unblock(&mut st.blocked, &w.denial.scope);
+    if let Some(t) = st.tenants.get_mut(&w.tenant) {
+        t.order.remove(&(Reverse(w.priority), w.seq));
+        if t.order.is_empty() {
+            // A tenant that comes back joins at the clock.
+            st.tenants.remove(&w.tenant);
+        }
+    }
+    metrics::gauge!("allowance_queue_depth").set(st.waiters.len() as f64);
+    Some(w)
+}
