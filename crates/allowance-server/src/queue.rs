@@ -13,6 +13,10 @@
 //!   joins at the current virtual time (no banked credit). Within a tenant,
 //!   higher `priority` first, then first come first served. Only each
 //!   tenant's first waiter is tried.
+//! - **Guarantees** — a tenant plan's concurrency limit may carry
+//!   `guaranteed` (CONFIG.md 9): tenants holding fewer reservations than
+//!   that are tried before the others, so a tenant bursting above its
+//!   guarantee only takes room nobody guaranteed is waiting for.
 //! - **No waiter's room is taken** — a waiter refused by scope S blocks S:
 //!   waiters after it in the fair order that touch S are not tried in that
 //!   pass, and an immediate reserve touching S is refused with that
@@ -112,6 +116,8 @@ pub struct AdmissionQueue {
 struct Candidate {
     ticket: Ticket,
     req: Arc<ReserveRequest>,
+    /// The tenant's place in the fair order: (virtual time, arrival).
+    order: (u128, u64),
 }
 
 impl AdmissionQueue {
@@ -235,10 +241,11 @@ impl AdmissionQueue {
         heads.sort_unstable_by_key(|&(v, seq, _)| (v, seq));
         heads
             .into_iter()
-            .filter_map(|(_, seq, ticket)| {
+            .filter_map(|(v, seq, ticket)| {
                 st.waiters.get(&seq).map(|w| Candidate {
                     ticket,
                     req: w.req.clone(),
+                    order: (v, seq),
                 })
             })
             .collect()
@@ -274,10 +281,11 @@ impl AdmissionQueue {
     async fn pass(&self, state: &crate::AppState, mut all: bool) {
         loop {
             let now = Instant::now();
-            let candidates = self.candidates(all, now);
+            let mut candidates = self.candidates(all, now);
             if candidates.is_empty() {
                 return;
             }
+            self.guarantees_first(state, &mut candidates).await;
             let mut blocked: HashSet<ScopeKey> = HashSet::new();
             let mut admitted = false;
             for c in candidates {
@@ -310,6 +318,44 @@ impl AdmissionQueue {
             // New heads: give them their turn now.
             all = true;
         }
+    }
+
+    /// Tenants holding fewer reservations than their plan's guaranteed
+    /// concurrency go first (CONFIG.md 9, seed 002): a tenant bursting
+    /// above its guarantee can only take room nobody guaranteed waits for.
+    /// Asks the store for the count only for tenants whose plan has one.
+    async fn guarantees_first(&self, state: &crate::AppState, candidates: &mut [Candidate]) {
+        let Ok(Ok(catalog)) = state.call(state.store().catalog()).await else {
+            return;
+        };
+        let mut below: HashMap<ScopeKey, bool> = HashMap::new();
+        for c in candidates.iter() {
+            let tenant = c.req.scopes.tenant();
+            if below.contains_key(tenant) {
+                continue;
+            }
+            let guaranteed = catalog
+                .plan_for(tenant)
+                .limits()
+                .iter()
+                .find(|l| l.dimension() == allowance_core::Dimension::CONCURRENT)
+                .map_or(0, |l| l.guaranteed());
+            if guaranteed == 0 {
+                below.insert(tenant.clone(), false);
+                continue;
+            }
+            let held = match state.call(state.store().status(tenant)).await {
+                Ok(Ok(st)) => st.held_reservations,
+                _ => u64::MAX,
+            };
+            below.insert(tenant.clone(), held < guaranteed);
+        }
+        candidates.sort_by_key(|c| {
+            (
+                !below.get(c.req.scopes.tenant()).copied().unwrap_or(false),
+                c.order,
+            )
+        });
     }
 
     /// Hands a grant to its waiter; if it left meanwhile, gives the room back.
