@@ -215,6 +215,13 @@ pub trait Store: Send + Sync + 'static {
     async fn expire_due(&self) -> Result<u64, Unavailable>;
     /// Counters for metrics (expiry observed first).
     async fn stats(&self) -> Result<StoreStats, Unavailable>;
+    /// Calls `wake` whenever room may have freed through *another*
+    /// process sharing this store (a settle, refund or expiry there), so an
+    /// admission queue looks again. A store only this process writes has
+    /// nothing to report: the default does nothing.
+    fn on_room_freed(&self, wake: Arc<dyn Fn() + Send + Sync>) {
+        let _ = wake;
+    }
     /// The usage log after `since` (from the oldest retained record when
     /// `None`), at most `limit` records (capped at [`MAX_USAGE_PAGE`]),
     /// only `tenant`'s when given.

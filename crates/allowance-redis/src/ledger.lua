@@ -323,7 +323,18 @@ local function usage_key(group_base)
   return P .. '{u}:u'
 end
 
+-- Tells the servers sharing this Redis that room may have freed (their
+-- admission queues look again); once per script.
+local told = false
+local function room_freed()
+  if not told then
+    told = true
+    redis.call('PUBLISH', P .. 'freed', '')
+  end
+end
+
 local function usage_event(kind, at, rec)
+  room_freed()
   redis.call('XADD', usage_key(base_of(rec.id)), 'MAXLEN', '~', I(req.um), '*', 'k', kind, 'at', I(at), 'r', pack(rec))
 end
 
@@ -424,6 +435,7 @@ local function expire_foreign(g, id)
   local f = decode(raw, fkey)
   if f.st == 'held' and f.x <= now then
     release(f, g)
+    room_freed()
     f.st = 'expired'
     redis.call('SET', fkey, pack(f))
     redis.call('ZREM', g .. ':fx', id)
@@ -815,6 +827,7 @@ function ops.fend()
   end
   f = f or {id = req.id, sc = {}, sb = {}, h = {}, x = now}
   if req.fin == 'settle' then f.st = 'settled' else f.st = 'released' end
+  if held then room_freed() end
   redis.call('SET', fkey, pack(f))
   redis.call('ZREM', g .. ':fx', req.id)
   redis.call('ZADD', g .. ':fd', I(now + max(req.re, req.ri)), req.id)

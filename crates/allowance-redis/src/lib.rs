@@ -136,6 +136,8 @@ pub struct RedisStore {
     manager_config: ConnectionManagerConfig,
     /// When this instance last asked the sentinels (ms since the epoch).
     resolved_at_ms: std::sync::atomic::AtomicU64,
+    /// The URL connected to (for the room-freed subscription).
+    url: String,
     script: redis::Script,
     prefix: String,
     clock: Option<Arc<dyn Clock>>,
@@ -345,6 +347,7 @@ impl RedisStore {
             sentinel,
             manager_config: config,
             resolved_at_ms: std::sync::atomic::AtomicU64::new(wall_ms()),
+            url: options.url.clone(),
             script: redis::Script::new(LEDGER_LUA),
             prefix: options.prefix,
             clock,
@@ -1363,6 +1366,48 @@ impl Store for RedisStore {
             self.sweep_cross(&catalog).await?;
         }
         self.sum_counter("expired").await
+    }
+
+    fn on_room_freed(&self, wake: Arc<dyn Fn() + Send + Sync>) {
+        // The scripts PUBLISH on `<prefix>freed` when a reservation ends;
+        // a subscriber per server wakes its queue. A Cluster broadcasts a
+        // PUBLISH to every node, so one node's subscription hears them all.
+        // Lost messages only delay a waiter to its bounded re-check.
+        let channel = format!("{}freed", self.prefix);
+        let url = self.url.clone();
+        let sentinel = self.sentinel.as_ref().map(|s| SentinelSource {
+            sentinels: s.sentinels.clone(),
+            master_name: s.master_name.clone(),
+            node: s.node.clone(),
+        });
+        tokio::spawn(async move {
+            use futures_util::StreamExt;
+            loop {
+                let client = match &sentinel {
+                    Some(s) => s.master().await,
+                    None => redis::Client::open(url.as_str()),
+                };
+                let subscribed = async {
+                    let mut pubsub = client?.get_async_pubsub().await?;
+                    pubsub.subscribe(&channel).await?;
+                    Ok::<_, redis::RedisError>(pubsub)
+                };
+                match subscribed.await {
+                    Ok(pubsub) => {
+                        let mut messages = pubsub.into_on_message();
+                        while messages.next().await.is_some() {
+                            wake();
+                        }
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "redis: the room-freed subscription failed")
+                    }
+                }
+                // Gone (Redis restarted, a failover): subscribe again soon;
+                // waiters are re-checked meanwhile anyway.
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        });
     }
 
     async fn stats(&self) -> Result<StoreStats, Unavailable> {

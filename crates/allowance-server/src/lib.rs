@@ -113,6 +113,10 @@ impl AppState {
         clock: Arc<dyn Clock>,
     ) -> Self {
         let queue = Arc::new(AdmissionQueue::new(options.queue_limits));
+        // Room freed through another server sharing the store wakes the
+        // queue too (a no-op for a store only this process writes).
+        let waker = queue.clone();
+        store.on_room_freed(Arc::new(move || waker.kick()));
         AppState {
             inner: Arc::new(Inner {
                 store,
