@@ -186,18 +186,34 @@ impl Conn {
         body: Bytes,
         deadline: Instant,
     ) -> Result<Answer, Failure> {
+        self.call(target, Method::POST, path, Some(body), deadline)
+            .await
+    }
+
+    /// Sends `method` to `path`, with `body` as JSON when given, and reads
+    /// the whole answer, giving up at `deadline`.
+    pub(crate) async fn call(
+        &mut self,
+        target: &Target,
+        method: Method,
+        path: &str,
+        body: Option<Bytes>,
+        deadline: Instant,
+    ) -> Result<Answer, Failure> {
         let mut builder = Request::builder()
-            .method(Method::POST)
+            .method(method)
             .uri(path)
-            .header(HOST, target.host_header.clone())
-            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            .header(HOST, target.host_header.clone());
+        if body.is_some() {
+            builder = builder.header(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        }
         if let Some(authorization) = &target.authorization {
             builder = builder.header(AUTHORIZATION, authorization.clone());
         }
         // Paths are built from the target and server-made ids that were
         // percent-encoded, so this only fails on a bug; it is still no panic.
         let request = builder
-            .body(Full::new(body))
+            .body(Full::new(body.unwrap_or_default()))
             .map_err(|_| Failure::Transport)?;
         let call = async {
             self.sender.ready().await.map_err(|_| Failure::Closed)?;
