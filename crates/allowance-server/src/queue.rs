@@ -17,10 +17,10 @@
 //!   `guaranteed` (CONFIG.md 9): tenants holding fewer reservations than
 //!   that are tried before the others, so a tenant bursting above its
 //!   guarantee only takes room nobody guaranteed is waiting for.
-//! - **No waiter's room is taken** — a waiter refused by scope S blocks S:
-//!   waiters after it in the fair order that touch S are not tried in that
-//!   pass, and an immediate reserve touching S is refused with that
-//!   waiter's denial. Waiters refused elsewhere proceed.
+//! - **No waiter's room is taken** — a waiter refused by scope S blocks S
+//!   until it is tried again: waiters after it in the fair order that touch
+//!   S wait for that, and an immediate reserve touching S is refused with
+//!   that waiter's denial. Waiters refused elsewhere proceed.
 //! - **Cancellation** — a waiter whose request is dropped (the client went
 //!   away) leaves the queue at once; if the dispatcher admitted it in the
 //!   same instant, the grant finds no one and is refunded.
@@ -28,7 +28,7 @@
 //!   the denial at once, marked `queue_full`.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -112,12 +112,17 @@ pub struct AdmissionQueue {
     started: std::sync::OnceLock<()>,
 }
 
-/// A candidate the dispatcher tries, in fair order.
+/// A tenant's first waiter, in fair order.
 struct Candidate {
     ticket: Ticket,
     req: Arc<ReserveRequest>,
     /// The tenant's place in the fair order: (virtual time, arrival).
     order: (u128, u64),
+    /// Whether it is due to be tried.
+    ready: bool,
+    next_try: Instant,
+    /// The scope that refused it last.
+    blocked_by: ScopeKey,
 }
 
 impl AdmissionQueue {
@@ -225,30 +230,35 @@ impl AdmissionQueue {
         }
     }
 
-    /// The heads of the tenants' queues in fair order; with `all`, whether
-    /// their retry time came or not (room may have freed).
+    /// The heads of the tenants' queues in fair order; with `all`, all
+    /// are due (room may have freed), else those whose retry time came.
     fn candidates(&self, all: bool, now: Instant) -> Vec<Candidate> {
         let st = self.state.lock();
-        let mut heads: Vec<(u128, u64, Ticket)> = st
+        let mut heads: Vec<Candidate> = st
             .tenants
             .values()
             .filter_map(|t| {
                 let &(_, seq) = t.order.first()?;
                 let w = st.waiters.get(&seq)?;
-                (all || w.next_try <= now).then_some((t.vtime, seq, Ticket(seq)))
-            })
-            .collect();
-        heads.sort_unstable_by_key(|&(v, seq, _)| (v, seq));
-        heads
-            .into_iter()
-            .filter_map(|(v, seq, ticket)| {
-                st.waiters.get(&seq).map(|w| Candidate {
-                    ticket,
+                Some(Candidate {
+                    ticket: Ticket(seq),
                     req: w.req.clone(),
-                    order: (v, seq),
+                    order: (t.vtime, seq),
+                    ready: all || w.next_try <= now,
+                    next_try: w.next_try,
+                    blocked_by: w.denial.scope.clone(),
                 })
             })
-            .collect()
+            .collect();
+        heads.sort_unstable_by_key(|c| c.order);
+        heads
+    }
+
+    /// A waiter behind one that a scope refuses waits for that one's retry.
+    fn defer(&self, ticket: Ticket, until: Instant) {
+        if let Some(w) = self.state.lock().waiters.get_mut(&ticket.0) {
+            w.next_try = w.next_try.max(until);
+        }
     }
 
     /// When the dispatcher must look again without being kicked.
@@ -282,14 +292,30 @@ impl AdmissionQueue {
         loop {
             let now = Instant::now();
             let mut candidates = self.candidates(all, now);
-            if candidates.is_empty() {
+            if !candidates.iter().any(|c| c.ready) {
                 return;
             }
             self.guarantees_first(state, &mut candidates).await;
-            let mut blocked: HashSet<ScopeKey> = HashSet::new();
+            // Scopes a waiter earlier in the order is refused by, and until
+            // when: nobody after it takes room there before it is tried again.
+            let mut blocked: HashMap<ScopeKey, Instant> = HashMap::new();
             let mut admitted = false;
             for c in candidates {
-                if c.req.scopes.as_slice().iter().any(|k| blocked.contains(k)) {
+                let behind = c
+                    .req
+                    .scopes
+                    .as_slice()
+                    .iter()
+                    .filter_map(|k| blocked.get(k))
+                    .max()
+                    .copied();
+                if let Some(until) = behind {
+                    self.defer(c.ticket, until);
+                    continue;
+                }
+                if !c.ready {
+                    let until = blocked.entry(c.blocked_by).or_insert(c.next_try);
+                    *until = (*until).max(c.next_try);
                     continue;
                 }
                 let outcome = match state.call(state.store().reserve(&c.req)).await {
@@ -306,8 +332,10 @@ impl AdmissionQueue {
                     Err(StoreError::Rejected(ReserveError::Denied(d)))
                         if d.kind == DenialKind::RateLimited =>
                     {
-                        blocked.insert(d.scope.clone());
-                        self.refused(c.ticket, d);
+                        let scope = d.scope.clone();
+                        let until = self.refused(c.ticket, d);
+                        let entry = blocked.entry(scope).or_insert(until);
+                        *entry = (*entry).max(until);
                     }
                     Err(other) => self.finish(c.ticket, Err(other)),
                 }
@@ -388,20 +416,23 @@ impl AdmissionQueue {
         }
     }
 
-    fn refused(&self, ticket: Ticket, d: Box<Denial>) {
+    /// Records a waiter's new refusal; answers when it is tried next.
+    fn refused(&self, ticket: Ticket, d: Box<Denial>) -> Instant {
+        let next_try = retry_at(&d);
         let mut st = self.state.lock();
         let State {
             waiters, blocked, ..
         } = &mut *st;
         let Some(w) = waiters.get_mut(&ticket.0) else {
-            return;
+            return next_try;
         };
         if w.denial.scope != d.scope {
             unblock(blocked, &w.denial.scope);
             *blocked.entry(d.scope.clone()).or_default() += 1;
         }
-        w.next_try = retry_at(&d);
+        w.next_try = next_try;
         w.denial = d;
+        next_try
     }
 
     fn finish(&self, ticket: Ticket, outcome: Outcome) {
