@@ -30,11 +30,16 @@ pub enum BenchError {
     /// The ceiling's no-op server could not be started.
     #[error("cannot start the no-op server: {0}")]
     Ceiling(#[source] std::io::Error),
+    /// The `fanout` scenario could not set up its run: the tenant's plan
+    /// lacks what the scenario measures against, the tenant is not fresh,
+    /// or a setup call failed.
+    #[error("fanout: {0}")]
+    Setup(String),
 }
 
-/// A scenario name that is not one of `pairs`, `refund`, `contention`, `tenants`.
+/// A scenario name that is not one of `pairs`, `refund`, `contention`, `tenants`, `fanout`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown scenario {given:?}: expected one of pairs, refund, contention, tenants")]
+#[error("unknown scenario {given:?}: expected one of pairs, refund, contention, tenants, fanout")]
 pub struct ParseScenarioError {
     /// The name as given.
     pub given: String,

@@ -14,6 +14,9 @@
 //! - **error** — a transport failure, a timeout, a 5xx, or any other
 //!   unexpected answer.
 //! - **warm-up** — time spent before measuring, counted nowhere.
+//! - **fan-out** — the `fanout` scenario (seed 003): sub-tasks started at
+//!   once through the admission queue, judged against the ideal schedule of
+//!   the tenant's plan ([`FanoutReport`]); `scripts/bench-queue.sh` runs it.
 //!
 //! ```no_run
 //! use allowance_bench::{BenchOptions, Scenario, compare, measure_ceiling, run};
@@ -36,6 +39,7 @@
 
 mod client;
 mod error;
+mod fanout;
 mod noop;
 mod options;
 mod progress;
@@ -44,10 +48,13 @@ mod run;
 mod worker;
 
 pub use error::{BenchError, ParseScenarioError};
+pub use fanout::{
+    FANOUT_RATIO_TARGET, FanoutPlan, FanoutReport, IdealSchedule, Overhead, ScopeReading,
+};
 pub use noop::{noop_router, serve_noop};
 pub use options::{
-    BenchOptions, DEFAULT_SERVER, MAX_CONCURRENCY, MAX_DURATION, Progress, Scenario,
-    TENANTS_SCENARIO_TENANTS,
+    BenchOptions, DEFAULT_SERVER, FanoutOptions, MAX_CONCURRENCY, MAX_DURATION,
+    MAX_OVERHEAD_ROUNDS, Progress, Scenario, TENANTS_SCENARIO_TENANTS,
 };
 pub use report::{Comparison, Latency, P99_TARGET_RATIO, Report, THROUGHPUT_TARGET_RATIO, compare};
 pub use run::{measure_ceiling, run};

@@ -36,15 +36,22 @@ pub enum Scenario {
     /// Reserve then settle, cycling over [`TENANTS_SCENARIO_TENANTS`]
     /// tenants `bench-t<k>` so the server sees many scopes.
     Tenants,
+    /// Seed 003's fan-out through the admission queue: `tasks` sub-tasks
+    /// start at once on one tenant, each reserving with `wait_ms` and
+    /// settling after a simulated call; measured against the ideal
+    /// schedule of the tenant's plan (see [`FanoutOptions`]). It ignores
+    /// `duration`, `warmup` and `concurrency`.
+    Fanout,
 }
 
 impl Scenario {
     /// Every scenario, in the order the CLI lists them.
-    pub const ALL: [Scenario; 4] = [
+    pub const ALL: [Scenario; 5] = [
         Scenario::Pairs,
         Scenario::Refund,
         Scenario::Contention,
         Scenario::Tenants,
+        Scenario::Fanout,
     ];
 
     /// The name used on the command line.
@@ -54,6 +61,7 @@ impl Scenario {
             Scenario::Refund => "refund",
             Scenario::Contention => "contention",
             Scenario::Tenants => "tenants",
+            Scenario::Fanout => "fanout",
         }
     }
 
@@ -61,7 +69,9 @@ impl Scenario {
     pub fn second_call(self) -> &'static str {
         match self {
             Scenario::Refund => "refund",
-            Scenario::Pairs | Scenario::Contention | Scenario::Tenants => "settle",
+            Scenario::Pairs | Scenario::Contention | Scenario::Tenants | Scenario::Fanout => {
+                "settle"
+            }
         }
     }
 }
@@ -130,6 +140,8 @@ pub struct BenchOptions {
     pub concurrency: usize,
     /// How progress is shown.
     pub progress: Progress,
+    /// The `fanout` scenario's shape (other scenarios ignore it).
+    pub fanout: FanoutOptions,
 }
 
 impl BenchOptions {
@@ -144,6 +156,7 @@ impl BenchOptions {
             warmup: Duration::from_secs(1),
             concurrency: 64,
             progress: Progress::Off,
+            fanout: FanoutOptions::default(),
         }
     }
 }
@@ -152,5 +165,51 @@ impl Default for BenchOptions {
     /// [`BenchOptions::new`] on [`DEFAULT_SERVER`].
     fn default() -> BenchOptions {
         BenchOptions::new(DEFAULT_SERVER)
+    }
+}
+
+/// Upper bound on the `fanout` scenario's overhead rounds.
+pub const MAX_OVERHEAD_ROUNDS: usize = 10_000;
+
+/// The `fanout` scenario (seed 003): `tasks` sub-tasks all started at once
+/// on one tenant, each `POST /v1/reservations` with `wait_ms`, then — after
+/// `call` — a settle with the same amounts as the actual.
+///
+/// The defaults are the issue's: 120 sub-tasks of 3,000 prompt + 500 output
+/// tokens, a 200 ms call, a 60 s wait, and 50 rounds measuring a queued
+/// admission against an immediate one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FanoutOptions {
+    /// How many sub-tasks.
+    pub tasks: usize,
+    /// Prompt tokens each reserves and settles.
+    pub input_tokens: u64,
+    /// Output tokens each reserves and settles.
+    pub output_tokens: u64,
+    /// The simulated model call: from the admission to the settle.
+    pub call: Duration,
+    /// The `wait_ms` each reserve sends (at most the server's
+    /// `queue.max_wait_ms`).
+    pub wait: Duration,
+    /// The tenant; `None` picks a fresh one, `fanout-<unix ms>`, since a
+    /// total budget never refills and the ideal assumes a fresh tenant.
+    pub tenant: Option<String>,
+    /// Rounds of the queued-vs-immediate overhead phase, on the tenant
+    /// `<tenant>-overhead` given its own limits (one concurrent
+    /// reservation); 0 skips the phase.
+    pub overhead_rounds: usize,
+}
+
+impl Default for FanoutOptions {
+    fn default() -> FanoutOptions {
+        FanoutOptions {
+            tasks: 120,
+            input_tokens: 3_000,
+            output_tokens: 500,
+            call: Duration::from_millis(200),
+            wait: Duration::from_secs(60),
+            tenant: None,
+            overhead_rounds: 50,
+        }
     }
 }

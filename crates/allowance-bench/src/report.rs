@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use hdrhistogram::Histogram;
 
-use crate::Scenario;
+use crate::{FanoutReport, Scenario};
 
 /// The throughput target: the server does at least this share of
 /// the no-op server's pairs per second.
@@ -47,6 +47,28 @@ impl Latency {
             max: Duration::from_micros(histogram.max()),
         }
     }
+
+    /// The exact percentiles (nearest rank) of a few samples.
+    pub(crate) fn from_samples(samples: &[Duration]) -> Latency {
+        if samples.is_empty() {
+            return Latency::default();
+        }
+        let mut sorted = samples.to_vec();
+        sorted.sort_unstable();
+        let n = sorted.len();
+        let at = |q: f64| {
+            // Nearest rank: the smallest sample with at least q of them at or below it.
+            let rank = (q * n as f64).ceil() as usize;
+            sorted[rank.clamp(1, n) - 1]
+        };
+        Latency {
+            count: n as u64,
+            p50: at(0.5),
+            p99: at(0.99),
+            p999: at(0.999),
+            max: sorted[n - 1],
+        }
+    }
 }
 
 /// What [`run`](crate::run) measured over the measured window (the warm-up
@@ -84,15 +106,21 @@ pub struct Report {
     pub second: Latency,
     /// Reserve start to second call end, over completed pairs.
     pub pair: Latency,
+    /// The `fanout` scenario's own figures (`None` for the others); the
+    /// table then shows them instead.
+    pub fanout: Option<FanoutReport>,
 }
 
 /// Milliseconds with three decimals: the figures are microsecond-precise.
-fn ms(d: Duration) -> String {
+pub(crate) fn ms(d: Duration) -> String {
     format!("{:.3} ms", d.as_secs_f64() * 1000.0)
 }
 
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(fanout) = &self.fanout {
+            return fanout.fmt(f);
+        }
         writeln!(
             f,
             "{} · scenario {} · concurrency {} · {:.2} s measured",

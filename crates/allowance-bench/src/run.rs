@@ -12,7 +12,9 @@ use crate::client::Target;
 use crate::progress::Reporter;
 use crate::report::Latency;
 use crate::worker::{Clock, Live, Tally, Worker};
-use crate::{BenchError, BenchOptions, MAX_CONCURRENCY, MAX_DURATION, Report, serve_noop};
+use crate::{
+    BenchError, BenchOptions, MAX_CONCURRENCY, MAX_DURATION, Report, Scenario, serve_noop,
+};
 
 /// How long calls in flight when the window closes may take to finish; a
 /// pair already started deserves its answer, a server that hangs does not
@@ -67,6 +69,9 @@ fn validate(opts: &BenchOptions) -> Result<(), BenchError> {
 /// denials and failures are counted in the [`Report`].
 pub async fn run(opts: &BenchOptions) -> Result<Report, BenchError> {
     validate(opts)?;
+    if opts.scenario == Scenario::Fanout {
+        return crate::fanout::run(opts).await;
+    }
     let target = Arc::new(Target::parse(&opts.server, opts.token.as_deref())?);
     preflight(&target).await?;
     let histogram = Histogram::<u64>::new_with_bounds(1, HISTOGRAM_MAX_MICROS, 3)
@@ -115,7 +120,7 @@ pub async fn run(opts: &BenchOptions) -> Result<Report, BenchError> {
 
 /// Checks that something listens before starting the workers, so a wrong
 /// address is one clear error rather than a report full of failed dials.
-async fn preflight(target: &Target) -> Result<(), BenchError> {
+pub(crate) async fn preflight(target: &Target) -> Result<(), BenchError> {
     let connect = tokio::time::timeout(PREFLIGHT_TIMEOUT, TcpStream::connect(&target.addr));
     match connect.await {
         Ok(Ok(_)) => Ok(()),
@@ -157,6 +162,7 @@ fn merge(
         reserve: Latency::default(),
         second: Latency::default(),
         pair: Latency::default(),
+        fanout: None,
     };
     let mut last_end = clock.measure_end;
     for tally in tallies {
@@ -202,7 +208,15 @@ fn merge(
 ///
 /// # Errors
 /// As [`run`], or [`BenchError::Ceiling`] when the server cannot bind.
+/// `fanout` has no ceiling (the no-op server has no plans, queue or
+/// scopes): it is an invalid `scenario` here.
 pub async fn measure_ceiling(opts: &BenchOptions) -> Result<Report, BenchError> {
+    if opts.scenario == Scenario::Fanout {
+        return Err(BenchError::InvalidOption {
+            field: "scenario",
+            reason: "fanout measures the admission queue against its ideal schedule; the no-op server has no ceiling for it".to_owned(),
+        });
+    }
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .map_err(BenchError::Ceiling)?;

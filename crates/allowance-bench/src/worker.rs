@@ -84,7 +84,7 @@ pub(crate) struct Worker {
 }
 
 /// What a reserve answered.
-enum Reserved {
+pub(crate) enum Reserved {
     Held(String),
     Denied(String),
     Unexpected(String),
@@ -110,14 +110,14 @@ struct ErrorObject {
 
 /// `"<status> <error.type>"`, the key denials and errors are counted under;
 /// `-` when the body is not the spec's error object.
-fn answer_kind(answer: &Answer) -> String {
+pub(crate) fn answer_kind(answer: &Answer) -> String {
     let kind = serde_json::from_slice::<ErrorAnswer>(&answer.body)
         .map(|e| e.error.kind)
         .unwrap_or_else(|_| "-".to_owned());
     format!("{} {kind}", answer.status.as_u16())
 }
 
-fn classify_reserve(answer: &Answer) -> Reserved {
+pub(crate) fn classify_reserve(answer: &Answer) -> Reserved {
     match answer.status {
         StatusCode::CREATED | StatusCode::OK => {
             match serde_json::from_slice::<HeldAnswer>(&answer.body) {
@@ -170,6 +170,8 @@ impl Worker {
             }
             Scenario::Contention => Some(Self::tenant_body("bench-hot")),
             Scenario::Tenants => None,
+            // Never run by workers: `run` hands it to `fanout`.
+            Scenario::Fanout => Some(Self::tenant_body("bench-fanout")),
         };
         let second_body = Bytes::from_static(match self.scenario {
             Scenario::Refund => REFUND_BODY.as_bytes(),

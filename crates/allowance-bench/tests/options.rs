@@ -109,6 +109,7 @@ fn report(pairs_per_s: f64, pair_p99_ms: u64) -> Report {
         reserve: latency,
         second: latency,
         pair: latency,
+        fanout: None,
     }
 }
 

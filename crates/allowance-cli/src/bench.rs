@@ -19,9 +19,25 @@ pub struct BenchArgs {
     /// Start a server in this process (starter configuration, in memory) and load it.
     #[arg(long)]
     embedded: bool,
-    /// pairs (reserve+settle), refund (reserve+refund), contention (one tenant), tenants (many tenants).
+    /// pairs (reserve+settle), refund (reserve+refund), contention (one tenant), tenants (many
+    /// tenants), fanout (seed 003: sub-tasks released at once, waiting in the admission queue).
     #[arg(long, default_value = "pairs")]
     scenario: Scenario,
+    /// fanout: how many sub-tasks.
+    #[arg(long, default_value_t = 120)]
+    tasks: usize,
+    /// fanout: the simulated model call, from admission to settle (`200ms`).
+    #[arg(long, default_value = "200ms")]
+    call: String,
+    /// fanout: the `wait_ms` each reserve sends (`60s`; at most the server's queue.max_wait_ms).
+    #[arg(long, default_value = "60s")]
+    wait: String,
+    /// fanout: the tenant (default: a fresh `fanout-<unix ms>`, as a total budget never refills).
+    #[arg(long)]
+    tenant: Option<String>,
+    /// fanout: rounds of the queued-vs-immediate overhead phase (0 skips it).
+    #[arg(long, default_value_t = 50)]
+    overhead_rounds: usize,
     /// How long to measure, after a 1 s warm-up (`10s`, `1m`).
     #[arg(long, default_value = "10s")]
     duration: String,
@@ -69,6 +85,16 @@ async fn bench(args: BenchArgs) -> anyhow::Result<String> {
     let mut opts = BenchOptions::new(args.server.clone());
     opts.scenario = args.scenario;
     opts.duration = std::time::Duration::from_millis(duration_ms);
+    let ms = |flag: &str, text: &str| {
+        allowance_config::parse_duration_ms(text)
+            .map(std::time::Duration::from_millis)
+            .map_err(|e| anyhow::anyhow!("--{flag}: {e}"))
+    };
+    opts.fanout.tasks = args.tasks;
+    opts.fanout.call = ms("call", &args.call)?;
+    opts.fanout.wait = ms("wait", &args.wait)?;
+    opts.fanout.tenant = args.tenant.clone();
+    opts.fanout.overhead_rounds = args.overhead_rounds;
     opts.concurrency = args.concurrency;
     opts.token = args.token.clone();
     opts.progress = Progress::auto();
