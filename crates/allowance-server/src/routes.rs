@@ -477,7 +477,7 @@ async fn admit(
         other => return Ok(other),
     };
     let weight = catalog.plan_for(req.scopes.tenant()).queue_weight();
-    let (tx, mut rx) = tokio::sync::oneshot::channel();
+    let (tx, rx) = tokio::sync::oneshot::channel();
     let started = tokio::time::Instant::now();
     let ticket = match queue.push(Arc::new(req.clone()), weight, priority, denial, tx) {
         Ok(t) => t,
@@ -487,23 +487,28 @@ async fn admit(
         }
     };
     // Leaves the queue if this request is dropped (the client went away).
-    let leave = Leave {
+    let mut leave = Leave {
         queue: queue.clone(),
         ticket: Some(ticket),
+        rx: Some(rx),
+        state: state.clone(),
     };
     queue.ensure_dispatcher(state.clone());
     queue.kick();
     let deadline = started + Duration::from_millis(wait_ms);
-    let outcome = tokio::select! {
-        r = &mut rx => r.ok(),
-        _ = tokio::time::sleep_until(deadline) => match queue.remove(ticket) {
-            Some(d) => {
-                ::metrics::counter!("allowance_queue_timeouts_total").increment(1);
-                Some(Err(StoreError::Rejected(ReserveError::Denied(d))))
-            }
-            // Admitted in the same instant: the grant is on its way.
-            None => rx.await.ok(),
-        },
+    let outcome = {
+        let rx = leave.rx.as_mut().expect("armed");
+        tokio::select! {
+            r = &mut *rx => r.ok(),
+            _ = tokio::time::sleep_until(deadline) => match queue.remove(ticket) {
+                Some(d) => {
+                    ::metrics::counter!("allowance_queue_timeouts_total").increment(1);
+                    Some(Err(StoreError::Rejected(ReserveError::Denied(d))))
+                }
+                // Admitted in the same instant: the grant is on its way.
+                None => rx.await.ok(),
+            },
+        }
     };
     leave.disarm();
     ::metrics::histogram!("allowance_queue_wait_seconds").record(started.elapsed().as_secs_f64());
@@ -518,6 +523,8 @@ async fn admit(
 struct Leave {
     queue: Arc<crate::AdmissionQueue>,
     ticket: Option<crate::queue::Ticket>,
+    rx: Option<tokio::sync::oneshot::Receiver<crate::queue::Outcome>>,
+    state: AppState,
 }
 
 impl Leave {
@@ -528,8 +535,20 @@ impl Leave {
 
 impl Drop for Leave {
     fn drop(&mut self) {
-        if let Some(t) = self.ticket.take() {
-            self.queue.remove(t);
+        if let Some(t) = self.ticket.take()
+            && self.queue.remove(t).is_none()
+            && let Some(mut rx) = self.rx.take()
+        {
+            // The dispatcher took it: a grant sent before this close is
+            // here to refund; one sent after fails and the dispatcher
+            // refunds it.
+            rx.close();
+            if let Ok(Ok(granted)) = rx.try_recv() {
+                let state = self.state.clone();
+                tokio::spawn(async move {
+                    let _ = state.call(state.store().refund(granted.id)).await;
+                });
+            }
         }
     }
 }
