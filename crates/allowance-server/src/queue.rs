@@ -91,7 +91,7 @@ struct State {
     waiters: HashMap<u64, Waiter>,
     tenants: HashMap<Arc<str>, TenantQ>,
     /// Waiters by the scope that refused them last.
-    blocked: HashMap<ScopeKey, usize>,
+    blocked: Blocked,
     /// The virtual time of the latest admission: where a tenant that starts
     /// waiting joins.
     vclock: u128,
@@ -152,14 +152,14 @@ impl AdmissionQueue {
     /// immediate reserve on them would take room that waiter could use.
     pub(crate) fn blocking(&self, req: &ReserveRequest) -> Option<Box<Denial>> {
         let st = self.state.lock();
-        if st.blocked.is_empty() {
+        if st.blocked.by_scope.is_empty() {
             return None;
         }
         let scope = req
             .scopes
             .as_slice()
             .iter()
-            .find(|k| st.blocked.contains_key(*k))?;
+            .find(|k| st.blocked.by_scope.contains_key(*k))?;
         // The first waiter in fair order blocked there speaks for them all.
         st.waiters
             .values()
@@ -197,7 +197,7 @@ impl AdmissionQueue {
         }
         t.weight = weight.max(1);
         t.order.insert((Reverse(priority), seq));
-        *st.blocked.entry(denial.scope.clone()).or_default() += 1;
+        st.blocked.add(&denial.scope);
         st.waiters.insert(
             seq,
             Waiter {
@@ -427,8 +427,8 @@ impl AdmissionQueue {
             return next_try;
         };
         if w.denial.scope != d.scope {
-            unblock(blocked, &w.denial.scope);
-            *blocked.entry(d.scope.clone()).or_default() += 1;
+            blocked.remove(&w.denial.scope);
+            blocked.add(&d.scope);
         }
         w.next_try = next_try;
         w.denial = d;
@@ -453,18 +453,41 @@ fn retry_at(d: &Denial) -> Instant {
     Instant::now() + Duration::from_millis(ms).min(RECHECK)
 }
 
-fn unblock(blocked: &mut HashMap<ScopeKey, usize>, scope: &ScopeKey) {
-    if let Some(n) = blocked.get_mut(scope) {
-        *n -= 1;
-        if *n == 0 {
-            blocked.remove(scope);
+/// Waiters by the scope that refused them, and by that scope's kind (the
+/// `allowance_queue_depth_by_kind` gauge: what the queue waits on).
+#[derive(Default)]
+struct Blocked {
+    by_scope: HashMap<ScopeKey, usize>,
+    by_kind: HashMap<String, usize>,
+}
+
+impl Blocked {
+    fn add(&mut self, scope: &ScopeKey) {
+        *self.by_scope.entry(scope.clone()).or_default() += 1;
+        let n = self.by_kind.entry(scope.kind().to_string()).or_default();
+        *n += 1;
+        ::metrics::gauge!("allowance_queue_depth_by_kind", "kind" => scope.kind().to_string())
+            .set(*n as f64);
+    }
+
+    fn remove(&mut self, scope: &ScopeKey) {
+        if let Some(n) = self.by_scope.get_mut(scope) {
+            *n -= 1;
+            if *n == 0 {
+                self.by_scope.remove(scope);
+            }
+        }
+        if let Some(n) = self.by_kind.get_mut(scope.kind()) {
+            *n = n.saturating_sub(1);
+            ::metrics::gauge!("allowance_queue_depth_by_kind", "kind" => scope.kind().to_string())
+                .set(*n as f64);
         }
     }
 }
 
 fn take(st: &mut State, ticket: Ticket) -> Option<Waiter> {
     let w = st.waiters.remove(&ticket.0)?;
-    unblock(&mut st.blocked, &w.denial.scope);
+    st.blocked.remove(&w.denial.scope);
     if let Some(t) = st.tenants.get_mut(&w.tenant) {
         t.order.remove(&(Reverse(w.priority), w.seq));
         if t.order.is_empty() {

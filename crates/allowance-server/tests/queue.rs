@@ -338,8 +338,9 @@ async fn admitted_promptly_after_the_settle_that_frees_room() {
         metrics
             .json
             .as_str()
-            .is_some_and(|t| t.contains("allowance_queue_depth")),
-        "/metrics shows the queue depth"
+            .is_some_and(|t| t.contains("allowance_queue_depth")
+                && t.contains("allowance_queue_depth_by_kind{kind=\"tenant\"}")),
+        "/metrics shows the queue depth, in all and by the kind of scope waited on"
     );
     let settled = w.settle(&first).await;
     let a = waiter.await.expect("the waiter's task");
