@@ -222,6 +222,14 @@ pub trait Store: Send + Sync + 'static {
     fn on_room_freed(&self, wake: Arc<dyn Fn() + Send + Sync>) {
         let _ = wake;
     }
+    /// Whether other processes change this store's ledger (Redis): room
+    /// they free is learnt through [`Store::on_room_freed`], which may miss
+    /// a message, so an admission queue also re-checks its waiters within a
+    /// bound. A store only this process writes needs no re-check: every
+    /// change is this process's own.
+    fn is_shared(&self) -> bool {
+        false
+    }
     /// The usage log after `since` (from the oldest retained record when
     /// `None`), at most `limit` records (capped at [`MAX_USAGE_PAGE`]),
     /// only `tenant`'s when given.

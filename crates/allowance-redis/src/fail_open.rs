@@ -445,6 +445,14 @@ fn scaled_catalog(catalog: &Catalog, fraction: f64) -> Result<Catalog, String> {
 
 #[async_trait]
 impl Store for FailOpenLocal {
+    fn is_shared(&self) -> bool {
+        self.redis.is_shared()
+    }
+
+    fn on_room_freed(&self, wake: Arc<dyn Fn() + Send + Sync>) {
+        self.redis.on_room_freed(wake);
+    }
+
     async fn reserve(&self, req: &ReserveRequest) -> Result<Granted, StoreError<ReserveError>> {
         if self.is_local_key(req) {
             return self.reserve_local(req, None).await;

@@ -1368,6 +1368,10 @@ impl Store for RedisStore {
         self.sum_counter("expired").await
     }
 
+    fn is_shared(&self) -> bool {
+        true
+    }
+
     fn on_room_freed(&self, wake: Arc<dyn Fn() + Send + Sync>) {
         // The scripts PUBLISH on `<prefix>freed` when a reservation ends;
         // a subscriber per server wakes its queue. A Cluster broadcasts a

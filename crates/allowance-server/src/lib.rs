@@ -112,7 +112,7 @@ impl AppState {
         options: Options,
         clock: Arc<dyn Clock>,
     ) -> Self {
-        let queue = Arc::new(AdmissionQueue::new(options.queue_limits));
+        let queue = Arc::new(AdmissionQueue::new(options.queue_limits, store.is_shared()));
         // Room freed through another server sharing the store wakes the
         // queue too (a no-op for a store only this process writes).
         let waker = queue.clone();

@@ -5,8 +5,9 @@
 //!   server settles, refunds or expires something ([`AdmissionQueue::kick`])
 //!   and when a waiter's `retry_after` comes (a timer per earliest retry,
 //!   never a polling loop); with a store shared by several servers (Redis),
-//!   another server's settle is seen at the latest by a bounded re-check
-//!   ([`RECHECK`]).
+//!   another server's settle is announced by the store
+//!   (`Store::on_room_freed`), and a missed announcement is caught by a
+//!   bounded re-check ([`RECHECK`]).
 //! - **Fairness** — start-time fair queueing across tenants: each tenant
 //!   has a virtual time that grows by `1 / queue_weight` per admission, and
 //!   the tenant with the lowest goes first; a tenant that starts waiting
@@ -110,6 +111,9 @@ pub struct AdmissionQueue {
     kick: Notify,
     limits: QueueLimits,
     started: std::sync::OnceLock<()>,
+    /// The longest a waiter goes untried: [`RECHECK`] when other processes
+    /// change the store, else only its own retry time bounds it.
+    recheck: Option<Duration>,
 }
 
 /// A tenant's first waiter, in fair order.
@@ -126,13 +130,15 @@ struct Candidate {
 }
 
 impl AdmissionQueue {
-    /// An empty queue.
-    pub fn new(limits: QueueLimits) -> Self {
+    /// An empty queue; `shared`: other processes change the store (see
+    /// `Store::is_shared`), so waiters are re-checked every [`RECHECK`].
+    pub fn new(limits: QueueLimits, shared: bool) -> Self {
         AdmissionQueue {
             state: parking_lot::Mutex::new(State::default()),
             kick: Notify::new(),
             limits,
             started: std::sync::OnceLock::new(),
+            recheck: shared.then_some(RECHECK),
         }
     }
 
@@ -205,7 +211,7 @@ impl AdmissionQueue {
                 priority,
                 seq,
                 req,
-                next_try: retry_at(&denial),
+                next_try: retry_at(&denial, self.recheck),
                 denial,
                 tx: Some(tx),
             },
@@ -418,7 +424,7 @@ impl AdmissionQueue {
 
     /// Records a waiter's new refusal; answers when it is tried next.
     fn refused(&self, ticket: Ticket, d: Box<Denial>) -> Instant {
-        let next_try = retry_at(&d);
+        let next_try = retry_at(&d, self.recheck);
         let mut st = self.state.lock();
         let State {
             waiters, blocked, ..
@@ -447,10 +453,13 @@ impl AdmissionQueue {
 }
 
 /// When to try a waiter refused with `d` again: at its `retry_after`, and
-/// at least every [`RECHECK`].
-fn retry_at(d: &Denial) -> Instant {
+/// within `recheck` when given.
+fn retry_at(d: &Denial, recheck: Option<Duration>) -> Instant {
     let ms = d.retry_after_ms.unwrap_or(1).max(1);
-    Instant::now() + Duration::from_millis(ms).min(RECHECK)
+    // A waiter waits at most `queue.max_wait_ms` (≤ 1 h): a retry past a
+    // day is as good as never.
+    let wait = Duration::from_millis(ms).min(Duration::from_secs(86_400));
+    Instant::now() + recheck.map_or(wait, |r| wait.min(r))
 }
 
 /// Waiters by the scope that refused them, and by that scope's kind (the
