@@ -1,6 +1,9 @@
--- allowance: the ledger's rules as one Redis script (SEMANTICS.md).
+#!lua name=LIBRARY_NAME
+-- allowance: the ledger's rules as one Redis function library (SEMANTICS.md).
 --
--- One script, one round trip per operation: ARGV[1] is a MessagePack map
+-- Loaded once per server (FUNCTION LOAD; the Rust side names the library and
+-- its function after a hash of this text, so versions never collide), then
+-- one FCALL, one round trip, per operation: args[1] is a MessagePack map
 -- built by the Rust store (src/wire.rs), the reply a MessagePack map. Every
 -- operation checks everything first and writes only once nothing can fail;
 -- a refusal writes nothing but the expiries it observed (which any
@@ -27,20 +30,15 @@
 --                 a single node keeps one stream, prefix{u}:u)
 --   prefix{c}:cat list: the catalog's admin changes (its length: the version)
 
-local req = cmsgpack.unpack(ARGV[1])
-local P = req.p
-
-local now
-if req.now then
-  now = req.now
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+-- The call in progress (functions run one at a time): its request, key
+-- prefix and instant, set by `handle` below.
+local req, P, now
 
 local function I(n) return string.format('%d', n) end
-local pack, unpack = cmsgpack.pack, cmsgpack.unpack
-local floor, max, min = math.floor, math.max, math.min
+-- The libraries (cmsgpack, math) are reachable only when a function runs,
+-- not while the library loads: bound by `handle`.
+local pack, unpack
+local floor, max, min
 
 local function reply(t) return pack(t) end
 
@@ -325,7 +323,7 @@ end
 
 -- Tells the servers sharing this Redis that room may have freed (their
 -- admission queues look again); once per script.
-local told = false
+local told
 local function room_freed()
   if not told then
     told = true
@@ -926,12 +924,29 @@ function ops.usage()
   return {ms, entries}
 end
 
-local op = ops[req.op]
-if not op then return redis.error_reply('allowance: unknown operation ' .. tostring(req.op)) end
-if req.cv and req.op ~= 'catalog' and req.op ~= 'bump' then
-  -- The catalog this instance resolved limits with must not be older than
-  -- the one this group was told of.
-  local v = tonumber(redis.call('GET', KEYS[1] .. ':cv') or '0')
-  if v > req.cv then return reply({t = 'stale', cv = v}) end
+-- One ledger call: keys[1] routes it (its group's slot), args[1] is the
+-- request.
+local function handle(keys, args)
+  pack, unpack = cmsgpack.pack, cmsgpack.unpack
+  floor, max, min = math.floor, math.max, math.min
+  req = unpack(args[1])
+  P = req.p
+  told = false
+  if req.now then
+    now = req.now
+  else
+    local t = redis.call('TIME')
+    now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  local op = ops[req.op]
+  if not op then return redis.error_reply('allowance: unknown operation ' .. tostring(req.op)) end
+  if req.cv and req.op ~= 'catalog' and req.op ~= 'bump' then
+    -- The catalog this instance resolved limits with must not be older
+    -- than the one this group was told of.
+    local v = tonumber(redis.call('GET', keys[1] .. ':cv') or '0')
+    if v > req.cv then return reply({t = 'stale', cv = v}) end
+  end
+  return op()
 end
-return op()
+
+redis.register_function('FUNCTION_NAME', handle)

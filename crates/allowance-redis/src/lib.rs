@@ -4,8 +4,8 @@
 //! several `allowance serve` processes behind a load balancer share one
 //! ledger and still never overspend.
 //!
-//! Each operation is **one atomic script** (`ledger.lua`, sent with
-//! EVALSHA, reloaded on NOSCRIPT) that checks every scope and limit before
+//! Each operation is **one atomic script** (`ledger.lua`, a Redis function
+//! library called with FCALL, loaded where missing) that checks every scope and limit before
 //! its first write. The Rust side does what needs the catalog or 128-bit
 //! arithmetic: it validates the request exactly as the engine does
 //! ([`prepare_reserve`], [`settle_charges`]), resolves each scope's plan to
@@ -69,8 +69,56 @@ use crate::wire::{
     recorded, status_of,
 };
 
-/// The script, loaded once per server and called by its SHA1.
+/// The ledger's function library, loaded once per server (FUNCTION LOAD)
+/// and called with FCALL.
 const LEDGER_LUA: &str = include_str!("ledger.lua");
+
+/// The ledger library as loaded: named after a hash of its text, so two
+/// versions of allowance sharing a Redis (a rolling upgrade) each call
+/// their own.
+struct LedgerFunction {
+    name: String,
+    code: String,
+}
+
+impl LedgerFunction {
+    fn new() -> Self {
+        // FNV-1a: stable across builds and processes.
+        let hash = LEDGER_LUA.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+        let name = format!("allowance_ledger_{hash:016x}");
+        let code = LEDGER_LUA
+            .replacen("LIBRARY_NAME", &format!("allowance_{hash:016x}"), 1)
+            .replacen("FUNCTION_NAME", &name, 1);
+        LedgerFunction { name, code }
+    }
+
+    /// FCALL, loading the library first where the server lacks it (a new
+    /// or restarted server, a new cluster node, a FUNCTION FLUSH).
+    async fn call<T: redis::FromRedisValue>(
+        &self,
+        conn: &mut Conn,
+        key: &str,
+        body: &[u8],
+    ) -> redis::RedisResult<T> {
+        let mut fcall = redis::cmd("FCALL");
+        fcall.arg(&self.name).arg(1).arg(key).arg(body);
+        match fcall.query_async(conn).await {
+            Err(e) if e.to_string().contains("Function not found") => {
+                let () = redis::cmd("FUNCTION")
+                    .arg("LOAD")
+                    .arg("REPLACE")
+                    .arg(&self.code)
+                    .query_async::<String>(conn)
+                    .await
+                    .map(|_| ())?;
+                fcall.query_async(conn).await
+            }
+            other => other,
+        }
+    }
+}
 
 /// Attempts at an operation that the script asked to start over (the
 /// catalog changed, a calendar boundary passed, an extend raced a settle).
@@ -138,7 +186,7 @@ pub struct RedisStore {
     resolved_at_ms: std::sync::atomic::AtomicU64,
     /// The URL connected to (for the room-freed subscription).
     url: String,
-    script: redis::Script,
+    ledger: LedgerFunction,
     prefix: String,
     clock: Option<Arc<dyn Clock>>,
     ids: Arc<dyn IdSource>,
@@ -348,7 +396,7 @@ impl RedisStore {
             manager_config: config,
             resolved_at_ms: std::sync::atomic::AtomicU64::new(wall_ms()),
             url: options.url.clone(),
-            script: redis::Script::new(LEDGER_LUA),
+            ledger: LedgerFunction::new(),
             prefix: options.prefix,
             clock,
             ids,
@@ -560,10 +608,10 @@ impl RedisStore {
     async fn call(&self, key_base: &str, req: &Req<'_>) -> Result<Reply, Unavailable> {
         let body = rmp_serde::to_vec_named(req).map_err(unavailable)?;
         let mut conn = self.conn();
-        let mut inv = self.script.key(key_base);
-        inv.arg(body);
         let raw: Vec<u8> =
-            match tokio::time::timeout(self.timeout, inv.invoke_async(&mut conn)).await {
+            match tokio::time::timeout(self.timeout, self.ledger.call(&mut conn, key_base, &body))
+                .await
+            {
                 Ok(Ok(raw)) => raw,
                 Ok(Err(e)) => {
                     tracing::warn!(error = %e, op = req.op, "redis call failed");
@@ -882,9 +930,7 @@ impl RedisStore {
         r.n = Some(n as u64);
         let body = rmp_serde::to_vec_named(&r).map_err(unavailable)?;
         let mut conn = self.conn();
-        let mut inv = self.script.key(&base);
-        inv.arg(body);
-        tokio::time::timeout(self.timeout, inv.invoke_async(&mut conn))
+        tokio::time::timeout(self.timeout, self.ledger.call(&mut conn, &base, &body))
             .await
             .map_err(|_| Unavailable("redis did not answer in time".into()))?
             .map_err(unavailable)

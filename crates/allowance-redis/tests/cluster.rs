@@ -274,10 +274,10 @@ async fn the_sweeper_finishes_an_interrupted_cross_slot_settle() {
     let (scopes, id, tool_node) = picked.expect("a tenant on another node than the tool");
     let tool = scopes.as_slice()[1].clone();
     let before = store.status(&tool).await.expect("status").limits[0].used;
-    // The tool's node stops running scripts (a stop or a partition would
+    // The tool's node stops running the ledger functions (a stop or a partition would
     // only delay them: Redis runs what it had received once it resumes).
     let node = &cluster.nodes()[tool_node];
-    node.command(&["ACL", "SETUSER", "default", "-evalsha", "-eval"])
+    node.command(&["ACL", "SETUSER", "default", "-fcall", "-evalsha", "-eval"])
         .expect("ACL");
     let usage = allowance_core::Usage {
         amounts: search_calls(&catalog, 3),
@@ -290,7 +290,7 @@ async fn the_sweeper_finishes_an_interrupted_cross_slot_settle() {
         store.expire_due().await.is_err(),
         "the sweep reaches the refusing node"
     );
-    node.command(&["ACL", "SETUSER", "default", "+evalsha", "+eval"])
+    node.command(&["ACL", "SETUSER", "default", "+fcall", "+evalsha", "+eval"])
         .expect("ACL");
     let settled = settled.expect("the tenant's part commits the settle");
     assert_eq!(settled.status, allowance_core::Status::Settled);
