@@ -113,6 +113,7 @@ const SCRIPT_COMMANDS: &[&str] = &[
     "llen",
     "rpush",
     "xadd",
+    "publish",
 ];
 
 /// Linux' USER_HZ: /proc's CPU times are in these ticks.
