@@ -382,27 +382,10 @@ impl RedisStore {
                 self.finish_cross(catalog, &rec).await?;
             }
         }
-        let cmds = (0..=255u8)
-            .flat_map(|tag| {
-                let base = self.shared_base(tag);
-                ["fx", "fd"].map(|set| {
-                    let mut c = redis::cmd("ZRANGE");
-                    c.arg(format!("{base}:{set}"))
-                        .arg(0)
-                        .arg(0)
-                        .arg("WITHSCORES");
-                    c
-                })
-            })
-            .collect();
-        let firsts: Vec<Vec<(String, f64)>> = self.each(cmds).await?;
-        let due = (0..=255u8).filter(|&tag| {
-            let i = usize::from(tag) * 2;
-            firsts[i..i + 2]
-                .iter()
-                .any(|f| f.first().is_some_and(|(_, at)| *at <= now as f64))
-        });
-        let calls = due.map(|tag| {
+        let due = self
+            .due_groups(|tag| self.shared_base(tag), ["fx", "fd"], now)
+            .await?;
+        let calls = due.into_iter().map(|tag| {
             let base = self.shared_base(tag);
             let mut r = self.req("ftick", catalog);
             r.b = Some(base.clone());

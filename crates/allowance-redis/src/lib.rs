@@ -901,6 +901,39 @@ impl RedisStore {
         all.into_iter().map(|r| r.map_err(unavailable)).collect()
     }
 
+    /// The groups (by tag) whose sorted sets `sets` hold something due by
+    /// `now_ms`: one look at each set's first entry, all in flight at once.
+    async fn due_groups(
+        &self,
+        base: impl Fn(u8) -> String,
+        sets: [&str; 2],
+        now_ms: u64,
+    ) -> Result<Vec<u8>, Unavailable> {
+        let cmds = (0..=255u8)
+            .flat_map(|tag| {
+                let base = base(tag);
+                sets.map(|set| {
+                    let mut c = redis::cmd("ZRANGE");
+                    c.arg(format!("{base}:{set}"))
+                        .arg(0)
+                        .arg(0)
+                        .arg("WITHSCORES");
+                    c
+                })
+            })
+            .collect();
+        let firsts: Vec<Vec<(String, f64)>> = self.each(cmds).await?;
+        let now = now_ms as f64;
+        Ok((0..=255u8)
+            .filter(|&tag| {
+                let i = usize::from(tag) * 2;
+                firsts[i..i + 2]
+                    .iter()
+                    .any(|first| first.first().is_some_and(|(_, at)| *at <= now))
+            })
+            .collect())
+    }
+
     /// Sums a per-group counter over the 256 tenant groups.
     async fn sum_counter(&self, field: &str) -> Result<u64, Unavailable> {
         let cmds = (0..=255u8)
@@ -1373,29 +1406,9 @@ impl Store for RedisStore {
         // retention end; only the groups with something due get a script.
         // (By this instance's clock: a skewed one delays the sweep by its
         // skew, never an operation's own expiry, which the script observes.)
-        let cmds = (0..=255u8)
-            .flat_map(|tag| {
-                let base = self.tenant_base(tag);
-                ["x", "d"].map(|set| {
-                    let mut c = redis::cmd("ZRANGE");
-                    c.arg(format!("{base}:{set}"))
-                        .arg(0)
-                        .arg(0)
-                        .arg("WITHSCORES");
-                    c
-                })
-            })
-            .collect();
-        let firsts: Vec<Vec<(String, f64)>> = self.each(cmds).await?;
-        let now = self.estimate_ms() as f64;
-        let due: Vec<u8> = (0..=255u8)
-            .filter(|&tag| {
-                let i = usize::from(tag) * 2;
-                firsts[i..i + 2]
-                    .iter()
-                    .any(|first| first.first().is_some_and(|(_, at)| *at <= now))
-            })
-            .collect();
+        let due = self
+            .due_groups(|tag| self.tenant_base(tag), ["x", "d"], self.estimate_ms())
+            .await?;
         let calls = due.into_iter().map(|tag| {
             let base = self.tenant_base(tag);
             let catalog = &catalog;
