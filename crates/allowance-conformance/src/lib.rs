@@ -164,6 +164,7 @@ macro_rules! every_case {
             refund_after_expiry_succeeds,
             unknown_reservation,
             late_settle_after_expiry,
+            ended_reservations_are_forgotten_after_retention,
             extend_amounts_all_or_nothing,
             extend_ttl,
             extend_not_held,
@@ -216,6 +217,10 @@ pub fn cases() -> Vec<Case> {
         case!(lifecycle::refund_after_expiry_succeeds, standard),
         case!(lifecycle::unknown_reservation, standard),
         case!(lifecycle::late_settle_after_expiry, standard),
+        case!(
+            lifecycle::ended_reservations_are_forgotten_after_retention,
+            standard
+        ),
         case!(lifecycle::extend_amounts_all_or_nothing, standard),
         case!(lifecycle::extend_ttl, standard),
         case!(lifecycle::extend_not_held, standard),

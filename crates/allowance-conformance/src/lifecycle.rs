@@ -454,3 +454,48 @@ pub(crate) async fn stats_count_held_and_expired(h: Harness) {
     assert!(after.expired_total > before, "the expiry is counted");
     assert_eq!(h.get(r1).await.status, Status::Expired);
 }
+
+/// SEMANTICS: an ended reservation is remembered for `ended_retention_ms`
+/// (reads and settle replays answer), then forgotten; an idempotency key
+/// binds until `idempotency_retention_ms` past the end, then the same key
+/// makes a new reservation.
+pub(crate) async fn ended_reservations_are_forgotten_after_retention(h: Harness) {
+    // DAY_MS: both retentions of the standard catalog.
+    let settled = h.hold("acme", &[], tokens(100)).await;
+    h.settle(settled, &usage(tokens(80))).await;
+    let mut keyed = h.request("acme", &[], tokens(50)).await;
+    keyed.idempotency_key = Some("job-1".into());
+    let first = h.reserve(&keyed).await;
+    h.refund(first.id).await;
+
+    h.set_ms(DAY_MS - 1);
+    assert_eq!(
+        h.get(settled).await.status,
+        Status::Settled,
+        "remembered until its retention"
+    );
+    let again = h.settle(settled, &usage(tokens(80))).await;
+    assert_eq!(
+        again.status,
+        Status::Settled,
+        "a settle replay still answers"
+    );
+    let replay = h.reserve(&keyed).await;
+    assert!(
+        replay.replayed && replay.id == first.id,
+        "the key still names the first reservation"
+    );
+
+    h.set_ms(DAY_MS);
+    let gone = h.store.get(settled).await.expect("get: store unavailable");
+    assert_eq!(gone, None, "forgotten at its retention");
+    assert_eq!(
+        h.settle_err(settled, &usage(tokens(80))).await,
+        SettleError::NotFound
+    );
+    let fresh = h.reserve(&keyed).await;
+    assert!(
+        !fresh.replayed && fresh.id != first.id,
+        "past its retention the key makes a new reservation"
+    );
+}

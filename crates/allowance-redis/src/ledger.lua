@@ -22,7 +22,7 @@
 --   B:x           zset: HELD reservations by expiry
 --   B:d           zset: ended reservations by the instant they are forgotten
 --   B:i:<tenant>\n<key>  an idempotency key -> reservation id
---   B:n           hash: held (HELD reservations), expired (ever)
+--   B:n           hash: expired (reservations expired, ever; HELD ones are ZCARD B:x)
 --   SB:s:<scope>  a scope: {at, hc, h = held per dimension, l = windows}
 --   SB:h:<scope>  zset: the scope's HELD reservations by expiry
 --   G:cv          the catalog version this group has been told of
@@ -380,7 +380,6 @@ local function expire(rec, base)
   schedule_drop(base, rec, rec.x)
   redis.call('SET', base .. ':r:' .. rec.id, pack(rec))
   redis.call('ZREM', base .. ':x', rec.id)
-  redis.call('HINCRBY', base .. ':n', 'held', -1)
   redis.call('HINCRBY', base .. ':n', 'expired', 1)
   usage_event('expired', rec.x, rec)
 end
@@ -402,6 +401,12 @@ end
 local function observe_tag(base, limit)
   local due = redis.call('ZRANGEBYSCORE', base .. ':x', '-inf', I(now), 'LIMIT', 0, limit)
   for _, id in ipairs(due) do expire_id(id) end
+  return #due
+end
+
+-- Forgets a group's ended reservations past their retention (the sweeper's
+-- work: every read also treats one past its retention as gone).
+local function forget_due(base, limit)
   local gone = redis.call('ZRANGEBYSCORE', base .. ':d', '-inf', I(now), 'LIMIT', 0, limit)
   for _, id in ipairs(gone) do
     local rkey = base .. ':r:' .. id
@@ -418,7 +423,6 @@ local function observe_tag(base, limit)
     end
     redis.call('ZREM', base .. ':d', id)
   end
-  return #due
 end
 
 -- A foreign hold (a cluster's hold on a shared scope, kept in the scope's
@@ -473,12 +477,19 @@ local function observe_scopes(scopes, base, seen_all)
 end
 
 -- A record, its expiry observed.
+-- Whether an ended record is past its retention: gone, whatever the
+-- sweeper has deleted yet.
+local function forgotten(rec)
+  return rec.st ~= 'held' and rec.da ~= nil and now >= rec.da
+end
+
 local function load_record(base, id)
   local rkey = base .. ':r:' .. id
   local raw = redis.call('GET', rkey)
   if not raw then return nil end
   local rec = decode(raw, rkey)
   if rec.st == 'held' and rec.x <= now then expire(rec, base) end
+  if forgotten(rec) then return nil end
   return rec
 end
 
@@ -597,7 +608,6 @@ function ops.reserve()
   rec.v = 1
   redis.call('SET', base .. ':r:' .. req.id, pack(rec))
   redis.call('ZADD', base .. ':x', I(x), req.id)
-  redis.call('HINCRBY', base .. ':n', 'held', 1)
   if ikey then redis.call('SET', ikey, req.id) end
   local rem
   if req.rr then rem = report(scopes) end
@@ -630,7 +640,6 @@ function ops.settle()
   end
   if held then
     redis.call('ZREM', base .. ':x', rec.id)
-    redis.call('HINCRBY', base .. ':n', 'held', -1)
   end
   rec.late = not held
   rec.st = 'settled'
@@ -652,7 +661,6 @@ function ops.refund()
   if rec.st ~= 'held' then return reply({t = 'ok', rec = rec}) end
   release(rec, base)
   redis.call('ZREM', base .. ':x', rec.id)
-  redis.call('HINCRBY', base .. ':n', 'held', -1)
   rec.st = 'refunded'
   rec.e = now
   schedule_drop(base, rec, now)
@@ -706,9 +714,12 @@ end
 -- A reservation's record as it stands (no expiry observed): what a settle
 -- or extend reads to work out its amounts.
 function ops.peek()
-  local raw = redis.call('GET', req.b .. ':r:' .. req.id)
+  local rkey = req.b .. ':r:' .. req.id
+  local raw = redis.call('GET', rkey)
   if not raw then return reply({t = 'nf'}) end
-  return reply({t = 'ok', rec = decode(raw, req.b .. ':r:' .. req.id), now = now})
+  local rec = decode(raw, rkey)
+  if forgotten(rec) then return reply({t = 'nf'}) end
+  return reply({t = 'ok', rec = rec, now = now})
 end
 
 function ops.status()
@@ -893,6 +904,7 @@ end
 -- The sweeper: one tenant group's due expiries and retention.
 function ops.tick()
   local n = observe_tag(req.b, 1000)
+  forget_due(req.b, 1000)
   return reply({t = 'ok', n = n})
 end
 

@@ -934,6 +934,20 @@ impl RedisStore {
             .collect())
     }
 
+    /// HELD reservations: the sizes of the 256 groups' expiry sets (each
+    /// holds exactly its group's HELD reservations, once expiry is observed).
+    async fn held_total(&self) -> Result<u64, Unavailable> {
+        let cmds = (0..=255u8)
+            .map(|tag| {
+                let mut c = redis::cmd("ZCARD");
+                c.arg(format!("{}:x", self.tenant_base(tag)));
+                c
+            })
+            .collect();
+        let sizes: Vec<u64> = self.each(cmds).await?;
+        Ok(sizes.into_iter().sum())
+    }
+
     /// Sums a per-group counter over the 256 tenant groups.
     async fn sum_counter(&self, field: &str) -> Result<u64, Unavailable> {
         let cmds = (0..=255u8)
@@ -1476,7 +1490,7 @@ impl Store for RedisStore {
     async fn stats(&self) -> Result<StoreStats, Unavailable> {
         let expired_total = self.expire_due().await?;
         Ok(StoreStats {
-            held_reservations: self.sum_counter("held").await?,
+            held_reservations: self.held_total().await?,
             expired_total,
         })
     }
