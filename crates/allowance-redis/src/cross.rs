@@ -144,6 +144,42 @@ impl RedisStore {
         estimate: &mut u64,
     ) -> Result<Option<Granted>, StoreError<ReserveError>> {
         let keys = req.scopes.as_slice();
+        // A retry of a granted key replays: asked first, before any shared
+        // group holds (again) what the first grant holds already.
+        if let (Some(ik), false) = (&tenant_req.ik, req.dry_run) {
+            let base = tenant_req.b.clone().unwrap_or_default();
+            let mut r = self.req("idem", catalog);
+            r.b = Some(base.clone());
+            r.tn = tenant_req.tn.clone();
+            r.ik = Some(ik.clone());
+            r.fp = tenant_req.fp.clone();
+            let reply = self.call(&base, &r).await?;
+            match reply.t.as_str() {
+                "idem" => {
+                    return Err(StoreError::Rejected(ReserveError::IdempotencyConflict {
+                        key: ik.clone(),
+                    }));
+                }
+                "ok" => {
+                    let rec = reply
+                        .rec
+                        .as_ref()
+                        .ok_or_else(|| Self::corrupt("a replay without its record".into()))?;
+                    let res = self.reservation(catalog, rec)?;
+                    return Ok(Some(Granted {
+                        id: res.id,
+                        status: res.status,
+                        replayed: true,
+                        dry_run: false,
+                        held: res.held,
+                        created_at: res.created_at,
+                        expires_at: res.expires_at,
+                        remaining: Vec::new(),
+                    }));
+                }
+                _ => {}
+            }
+        }
         let groups = shared_groups(specs);
         let held = named(catalog, &prep.held);
         let ids = id.to_string();
@@ -161,9 +197,12 @@ impl RedisStore {
                 r
             })
             .await;
+        // Released on a refusal: the groups that held, and those whose
+        // answer never came (their hold may still arrive: the release
+        // leaves a tombstone it will find).
         let held_somewhere: Vec<(String, Vec<usize>)> = parts
             .iter()
-            .filter(|p| !req.dry_run && p.reply.as_ref().is_ok_and(|r| r.t == "ok"))
+            .filter(|p| !req.dry_run && p.reply.as_ref().map_or(true, |r| r.t == "ok"))
             .map(|p| (p.base.clone(), p.idx.clone()))
             .collect();
         let mut denials = Vec::new();
@@ -223,13 +262,11 @@ impl RedisStore {
             .filter(|&i| !is_shared_base(&specs[i].b))
             .collect();
         let base = tenant_req.b.clone().unwrap_or_default();
-        let reply = match self.call(&base, &tenant_req).await {
-            Ok(r) => r,
-            Err(e) => {
-                compensate("the tenant's script did not answer").await?;
-                return Err(e.into());
-            }
-        };
+        // No answer: the tenant's script may yet have run (and the
+        // reservation exist), so the shared holds stay; if it did not run,
+        // they expire with their ttl — holds over-reserve, usage never
+        // overspends nor goes unrecorded.
+        let reply = self.call(&base, &tenant_req).await?;
         let granted = reply.t == "ok" && reply.replay != Some(true);
         if !granted {
             compensate("the tenant's part refused").await?;
@@ -348,12 +385,7 @@ impl RedisStore {
             self.fend_all(catalog, &rec.id, &groups, &specs, fin)
                 .await?;
         }
-        let base = self.tenant_base(res.id.tag());
-        let mut r = self.req("pdone", catalog);
-        r.b = Some(base.clone());
-        r.id = Some(rec.id.clone());
-        self.call(&base, &r).await?;
-        Ok(())
+        self.pdone(catalog, res.id.tag(), &rec.id).await
     }
 
     /// The sweeper's part: finishes the settles and refunds an instance
@@ -374,12 +406,21 @@ impl RedisStore {
             })
             .collect();
         let pending: Vec<Vec<String>> = self.each(cmds).await?;
-        for id in pending.into_iter().flatten() {
-            let Some(id) = ReservationId::parse(&id) else {
-                continue;
+        let mut unfinished = None;
+        for text in pending.into_iter().flatten() {
+            let finished = match ReservationId::parse(&text) {
+                Some(id) => match self.peek(catalog, id).await {
+                    Ok(Some(rec)) => self.finish_cross(catalog, &rec).await,
+                    // Forgotten (past its retention) or not an id: nothing
+                    // left to finish; it leaves the list.
+                    Ok(None) => self.pdone(catalog, id.tag(), &text).await,
+                    Err(e) => Err(e),
+                },
+                None => Ok(()),
             };
-            if let Some(rec) = self.peek(catalog, id).await? {
-                self.finish_cross(catalog, &rec).await?;
+            // One unreachable group must not stop the others' work.
+            if let Err(e) = finished {
+                unfinished.get_or_insert(e);
             }
         }
         let due = self
@@ -394,7 +435,16 @@ impl RedisStore {
         for reply in futures_util::future::join_all(calls).await {
             reply?;
         }
-        Ok(())
+        unfinished.map_or(Ok(()), Err)
+    }
+
+    /// Takes a reservation off its tenant group's pending list.
+    async fn pdone(&self, catalog: &Catalog, tag: u8, id: &str) -> Result<(), Unavailable> {
+        let base = self.tenant_base(tag);
+        let mut r = self.req("pdone", catalog);
+        r.b = Some(base.clone());
+        r.id = Some(id.to_string());
+        self.call(&base, &r).await.map(|_| ())
     }
 
     /// An extend of a reservation with holds in shared groups: they raise
@@ -502,13 +552,9 @@ impl RedisStore {
             return Ok(None);
         }
         let base = tenant_req.b.clone().unwrap_or_default();
-        let reply = match self.call(&base, &tenant_req).await {
-            Ok(r) => r,
-            Err(e) => {
-                undo(&parts).await?;
-                return Err(e.into());
-            }
-        };
+        // No answer: the tenant's part may have run; the raises stay (the
+        // shared side may hold more than the tenant's until the end).
+        let reply = self.call(&base, &tenant_req).await?;
         if reply.t != "ok" {
             undo(&parts).await?;
         }

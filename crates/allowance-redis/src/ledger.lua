@@ -773,6 +773,22 @@ end
 -- (compensated if the tenant's refuses), and ends it after (the tenant's
 -- record lists the group as pending until then, for the sweeper).
 
+-- What an idempotency key names now, without reserving: a cross-slot
+-- reserve asks first, so a retry replays rather than holds again.
+function ops.idem()
+  local base = req.b
+  observe_tag(base, 64)
+  local rid = redis.call('GET', base .. ':i:' .. req.tn .. '\n' .. req.ik)
+  if rid then
+    local rec = load_record(base, rid)
+    if rec and not (rec.e and now >= rec.e + req.ri) then
+      if rec.fp ~= req.fp then return reply({t = 'idem'}) end
+      return reply({t = 'ok', replay = true, rec = rec})
+    end
+  end
+  return reply({t = 'none'})
+end
+
 -- Checks and holds this group's shared scopes of a reservation.
 function ops.fhold()
   if not calendars_hold(req.scopes) then return reply({t = 'cal', now = now}) end
@@ -812,8 +828,20 @@ function ops.fend()
   local raw = redis.call('GET', fkey)
   local f
   if raw then f = decode(raw, fkey) end
-  if f and (f.st == 'settled' or f.st == 'released') then return reply({t = 'ok'}) end
-  if req.fin == 'release' and not (f and f.st == 'held') then return reply({t = 'ok'}) end
+  if f and f.st == 'settled' then return reply({t = 'ok'}) end
+  if req.fin == 'release' then
+    if not f then
+      -- A tombstone: a hold whose script is still on its way (the caller
+      -- timed out waiting for it) finds the id taken and holds nothing.
+      redis.call('SET', fkey, pack({id = req.id, st = 'released', sc = {}, sb = {}, h = {}, x = now}))
+      redis.call('ZADD', g .. ':fd', I(now + max(req.re, req.ri)), req.id)
+      return reply({t = 'ok'})
+    end
+    if f.st ~= 'held' then return reply({t = 'ok'}) end
+  end
+  -- A settle records its charges whatever became of the hold (expired, or
+  -- released by a compensation that raced a reservation whose outcome was
+  -- unknown): the reservation exists, its usage counts here too.
   for _, sc in ipairs(req.scopes) do observe_scope(sc) end
   if f and f.st == 'held' and f.x <= now then
     expire_foreign(g, req.id)
@@ -823,6 +851,7 @@ function ops.fend()
   for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
   local held = f and f.st == 'held'
   if req.fin == 'release' and not held then return reply({t = 'ok'}) end
+  if f and f.st == 'released' and req.fin == 'settle' then held = false end
   for _, s in ipairs(scopes) do
     if req.fin == 'settle' then
       for li, L in ipairs(s.lims) do record(s.states[li], L.a or 0) end

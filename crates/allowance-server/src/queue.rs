@@ -223,8 +223,15 @@ impl AdmissionQueue {
     /// Takes a waiter out (its deadline passed, or its client left):
     /// `None` if the dispatcher already took it to answer it.
     pub(crate) fn remove(&self, ticket: Ticket) -> Option<Box<Denial>> {
-        let mut st = self.state.lock();
-        let w = take(&mut st, ticket)?;
+        let (w, others) = {
+            let mut st = self.state.lock();
+            let w = take(&mut st, ticket)?;
+            (w, !st.waiters.is_empty())
+        };
+        if others {
+            // Whoever it held up is tried now, not at its inherited time.
+            self.kick.notify_one();
+        }
         Some(w.denial)
     }
 

@@ -464,9 +464,17 @@ async fn admit(
     priority: i32,
 ) -> Result<Result<Granted, StoreError<ReserveError>>, ApiError> {
     let queue = state.queue().clone();
-    let first = match queue.blocking(req) {
-        Some(d) if !req.dry_run => Err(StoreError::Rejected(ReserveError::Denied(d))),
-        _ => state.call(state.store().reserve(req)).await?,
+    // A request with an idempotency key goes to the store first: a retry
+    // must get its replay, even while waiters hold the scope (a new keyed
+    // reservation may then take room ahead of them: the one exception).
+    let blocked = if req.dry_run || req.idempotency_key.is_some() {
+        None
+    } else {
+        queue.blocking(req)
+    };
+    let first = match blocked {
+        Some(d) => Err(StoreError::Rejected(ReserveError::Denied(d))),
+        None => state.call(state.store().reserve(req)).await?,
     };
     let denial = match first {
         Err(StoreError::Rejected(ReserveError::Denied(d)))

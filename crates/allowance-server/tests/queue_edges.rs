@@ -1,0 +1,227 @@
+//! Edge cases of the admission queue found in review (src/queue.rs, `admit`/`Leave` in
+//! src/routes.rs): an in-process server on 127.0.0.1 over an embedded
+//! store with the real clock, driven over HTTP (the harness of
+//! tests/queue.rs, cut down).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use allowance_core::EmbeddedStore;
+use allowance_server::{
+    AppState, Credentials, Options, QueueLimits, RandomIds, SystemClock, serve,
+};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+struct World {
+    state: AppState,
+    base: String,
+    client: reqwest::Client,
+}
+
+#[derive(Debug, Clone)]
+struct Answer {
+    status: u16,
+    json: Value,
+    at: Instant,
+}
+
+impl World {
+    async fn start(toml: &str) -> World {
+        let config = allowance_config::parse(toml, "review_queue.rs").expect("a valid config");
+        let store = Arc::new(EmbeddedStore::new(
+            config.catalog,
+            4,
+            Arc::new(SystemClock::default()),
+            Arc::new(RandomIds),
+        ));
+        let options = Options {
+            sweep_interval: Duration::from_millis(20),
+            queue_limits: QueueLimits::default(),
+            max_wait_ms: 60_000,
+            ..Options::default()
+        };
+        let state = AppState::new(store, Credentials::default(), options);
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let base = format!("http://{}", listener.local_addr().expect("address"));
+        tokio::spawn(serve(listener, state.clone(), std::future::pending()));
+        World {
+            state,
+            base,
+            client: reqwest::Client::new(),
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    fn depth(&self) -> usize {
+        self.state.queue().depth()
+    }
+
+    async fn post(&self, path: &str, body: &Value) -> Answer {
+        send(self.client.post(self.url(path)).json(body)).await
+    }
+
+    async fn reserve(&self, body: &Value) -> Answer {
+        self.post("/v1/reservations", body).await
+    }
+
+    fn spawn_reserve(&self, body: Value) -> JoinHandle<Answer> {
+        let req = self.client.post(self.url("/v1/reservations")).json(&body);
+        tokio::spawn(send(req))
+    }
+
+    async fn until_depth(&self, n: usize, what: &str) {
+        let started = Instant::now();
+        while self.depth() != n {
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "{what}: queue depth {} never became {n}",
+                self.depth()
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+}
+
+async fn send(req: reqwest::RequestBuilder) -> Answer {
+    let resp = req.send().await.expect("the server answers");
+    let status = resp.status().as_u16();
+    let text = resp.text().await.expect("a body");
+    Answer {
+        status,
+        json: serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        at: Instant::now(),
+    }
+}
+
+const ONE_AT_A_TIME: &str = r#"
+[kinds.tenant]
+plan = "one"
+[plans.one]
+limits = [{ dimension = "concurrent", capacity = 1 }]
+"#;
+
+/// An idempotent retry of a granted reserve answers the grant (200,
+/// `replayed`), as it does with no waiter around. But `admit` consults
+/// `AdmissionQueue::blocking` before the store (routes.rs `admit`, first
+/// `match`), so while another request of the tenant waits on the scope the
+/// retry is refused with that waiter's 429 — and the client, who never
+/// learnt the id, cannot settle the reservation that blocks everyone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_idempotent_retry_replays_while_a_waiter_blocks_the_scope() {
+    let w = World::start(ONE_AT_A_TIME).await;
+    let body = json!({"tenant": "acme", "amounts": {}, "idempotency_key": "job-1"});
+    let first = w.reserve(&body).await;
+    assert_eq!(first.status, 201, "{}", first.json);
+    // Without a waiter, the retry replays.
+    let again = w.reserve(&body).await;
+    assert_eq!(again.status, 200, "{}", again.json);
+    assert_eq!(again.json["replayed"], json!(true));
+    let waiter = w.spawn_reserve(json!({"tenant": "acme", "amounts": {}, "wait_ms": 3_000}));
+    w.until_depth(1, "the waiter queues").await;
+    let retry = w.reserve(&body).await;
+    assert_eq!(
+        (retry.status, &retry.json["replayed"], &retry.json["id"]),
+        (200, &json!(true), &first.json["id"]),
+        "a retry of a granted key while a waiter blocks the scope: {}",
+        retry.json
+    );
+    let _ = waiter.await;
+}
+
+/// A waiter queued behind another of its tenant takes that one's denial
+/// (and its `retry_after`) as its own next try. When the first leaves (its
+/// `wait_ms` ran out), nothing kicks the dispatcher (`AdmissionQueue::remove`
+/// does not notify) and the second keeps the inherited next try: it is not
+/// tried while room for it exists, and times out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_is_tried_once_the_waiter_ahead_of_it_leaves() {
+    let toml = r#"
+[kinds.tenant]
+plan = "drip"
+[plans.drip]
+limits = [{ dimension = "tokens", capacity = 100, window = "bucket", period = "10s" }]
+"#;
+    let w = World::start(toml).await;
+    // Empty the bucket (10 tokens come back a second).
+    let used = w
+        .reserve(&json!({"tenant": "acme", "amounts": {"tokens": 100}}))
+        .await;
+    assert_eq!(used.status, 201, "{}", used.json);
+    let id = used.json["id"].as_str().expect("id").to_string();
+    let settled = w
+        .post(
+            &format!("/v1/reservations/{id}/settle"),
+            &json!({"usage": {"tokens": 100}}),
+        )
+        .await;
+    assert_eq!(settled.status, 200, "{}", settled.json);
+    // A big one waits 1 s (it needs the whole 10 s refill).
+    let big =
+        w.spawn_reserve(json!({"tenant": "acme", "amounts": {"tokens": 100}, "wait_ms": 1_000}));
+    w.until_depth(1, "the big one queues").await;
+    // A small one behind it: room for 1 token comes within 100 ms.
+    let sent = Instant::now();
+    let small =
+        w.spawn_reserve(json!({"tenant": "acme", "amounts": {"tokens": 1}, "wait_ms": 5_000}));
+    let big = big.await.expect("task");
+    assert_eq!(big.status, 429, "{}", big.json);
+    let small = small.await.expect("task");
+    let waited = small.at.duration_since(sent);
+    assert_eq!(
+        small.status, 201,
+        "after {waited:?}, with room since the big one left at 1 s: {}",
+        small.json
+    );
+    assert!(
+        waited < Duration::from_millis(2_500),
+        "admitted {waited:?} after it was sent"
+    );
+}
+
+/// A waiter refused for a reason that no longer retries (a total budget
+/// spent while it waited) is answered at once with that denial, and the
+/// queue goes on serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_whose_refusal_becomes_final_is_answered() {
+    let toml = r#"
+[kinds.tenant]
+plan = "capped"
+[plans.capped]
+limits = [
+  { dimension = "concurrent", capacity = 1 },
+  { dimension = "tokens", capacity = 100, window = "total" },
+]
+"#;
+    let w = World::start(toml).await;
+    let first = w
+        .reserve(&json!({"tenant": "acme", "amounts": {"tokens": 10}}))
+        .await;
+    assert_eq!(first.status, 201, "{}", first.json);
+    let waiter =
+        w.spawn_reserve(json!({"tenant": "acme", "amounts": {"tokens": 50}, "wait_ms": 10_000}));
+    w.until_depth(1, "the waiter queues").await;
+    let id = first.json["id"].as_str().expect("id").to_string();
+    let settled = w
+        .post(
+            &format!("/v1/reservations/{id}/settle"),
+            &json!({"usage": {"tokens": 95}}),
+        )
+        .await;
+    assert_eq!(settled.status, 200, "{}", settled.json);
+    let a = tokio::time::timeout(Duration::from_secs(3), waiter)
+        .await
+        .expect("answered promptly")
+        .expect("task");
+    assert_eq!(a.status, 402, "{}", a.json);
+    assert_eq!(w.depth(), 0);
+    // The dispatcher still serves.
+    let b = w
+        .reserve(&json!({"tenant": "acme", "amounts": {"tokens": 5}, "wait_ms": 1_000}))
+        .await;
+    assert_eq!(b.status, 201, "{}", b.json);
+}
