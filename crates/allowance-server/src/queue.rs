@@ -161,17 +161,14 @@ impl AdmissionQueue {
         if st.blocked.by_scope.is_empty() {
             return None;
         }
-        let scope = req
+        // The longest-waiting waiter held up there speaks for them all (a
+        // look-up, not a scan: this is every immediate reserve's path).
+        let seq = req
             .scopes
             .as_slice()
             .iter()
-            .find(|k| st.blocked.by_scope.contains_key(*k))?;
-        // The first waiter in fair order blocked there speaks for them all.
-        st.waiters
-            .values()
-            .filter(|w| &w.denial.scope == scope)
-            .min_by_key(|w| (st.tenants.get(&w.tenant).map_or(0, |t| t.vtime), w.seq))
-            .map(|w| w.denial.clone())
+            .find_map(|k| st.blocked.by_scope.get(k).and_then(|set| set.first()))?;
+        st.waiters.get(seq).map(|w| w.denial.clone())
     }
 
     /// Queues a waiter refused with `denial`; its outcome comes on `tx`.
@@ -203,7 +200,7 @@ impl AdmissionQueue {
         }
         t.weight = weight.max(1);
         t.order.insert((Reverse(priority), seq));
-        st.blocked.add(&denial.scope);
+        st.blocked.add(&denial.scope, seq);
         st.waiters.insert(
             seq,
             Waiter {
@@ -369,27 +366,41 @@ impl AdmissionQueue {
         let Ok(Ok(catalog)) = state.call(state.store().catalog()).await else {
             return;
         };
-        let mut below: HashMap<ScopeKey, bool> = HashMap::new();
-        for c in candidates.iter() {
+        // Only the tenants about to be tried, with a guarantee, are asked,
+        // all at once.
+        let mut asked: Vec<ScopeKey> = Vec::new();
+        for c in candidates.iter().filter(|c| c.ready) {
             let tenant = c.req.scopes.tenant();
-            if below.contains_key(tenant) {
-                continue;
-            }
             let guaranteed = catalog
                 .plan_for(tenant)
                 .limits()
                 .iter()
                 .find(|l| l.dimension() == allowance_core::Dimension::CONCURRENT)
                 .map_or(0, |l| l.guaranteed());
-            if guaranteed == 0 {
-                below.insert(tenant.clone(), false);
-                continue;
+            if guaranteed > 0 && !asked.contains(tenant) {
+                asked.push(tenant.clone());
             }
-            let held = match state.call(state.store().status(tenant)).await {
+        }
+        if asked.is_empty() {
+            return;
+        }
+        let held = futures_util::future::join_all(
+            asked.iter().map(|t| state.call(state.store().status(t))),
+        )
+        .await;
+        let mut below: HashMap<ScopeKey, bool> = HashMap::new();
+        for (tenant, held) in asked.into_iter().zip(held) {
+            let guaranteed = catalog
+                .plan_for(&tenant)
+                .limits()
+                .iter()
+                .find(|l| l.dimension() == allowance_core::Dimension::CONCURRENT)
+                .map_or(0, |l| l.guaranteed());
+            let n = match held {
                 Ok(Ok(st)) => st.held_reservations,
                 _ => u64::MAX,
             };
-            below.insert(tenant.clone(), held < guaranteed);
+            below.insert(tenant, n < guaranteed);
         }
         candidates.sort_by_key(|c| {
             (
@@ -440,8 +451,8 @@ impl AdmissionQueue {
             return next_try;
         };
         if w.denial.scope != d.scope {
-            blocked.remove(&w.denial.scope);
-            blocked.add(&d.scope);
+            blocked.remove(&w.denial.scope, w.seq);
+            blocked.add(&d.scope, w.seq);
         }
         w.next_try = next_try;
         w.denial = d;
@@ -473,23 +484,24 @@ fn retry_at(d: &Denial, recheck: Option<Duration>) -> Instant {
 /// `allowance_queue_depth_by_kind` gauge: what the queue waits on).
 #[derive(Default)]
 struct Blocked {
-    by_scope: HashMap<ScopeKey, usize>,
+    /// The waiters each scope holds up, by arrival.
+    by_scope: HashMap<ScopeKey, BTreeSet<u64>>,
     by_kind: HashMap<String, usize>,
 }
 
 impl Blocked {
-    fn add(&mut self, scope: &ScopeKey) {
-        *self.by_scope.entry(scope.clone()).or_default() += 1;
+    fn add(&mut self, scope: &ScopeKey, seq: u64) {
+        self.by_scope.entry(scope.clone()).or_default().insert(seq);
         let n = self.by_kind.entry(scope.kind().to_string()).or_default();
         *n += 1;
         ::metrics::gauge!("allowance_queue_depth_by_kind", "kind" => scope.kind().to_string())
             .set(*n as f64);
     }
 
-    fn remove(&mut self, scope: &ScopeKey) {
-        if let Some(n) = self.by_scope.get_mut(scope) {
-            *n -= 1;
-            if *n == 0 {
+    fn remove(&mut self, scope: &ScopeKey, seq: u64) {
+        if let Some(set) = self.by_scope.get_mut(scope) {
+            set.remove(&seq);
+            if set.is_empty() {
                 self.by_scope.remove(scope);
             }
         }
@@ -503,7 +515,7 @@ impl Blocked {
 
 fn take(st: &mut State, ticket: Ticket) -> Option<Waiter> {
     let w = st.waiters.remove(&ticket.0)?;
-    st.blocked.remove(&w.denial.scope);
+    st.blocked.remove(&w.denial.scope, w.seq);
     if let Some(t) = st.tenants.get_mut(&w.tenant) {
         t.order.remove(&(Reverse(w.priority), w.seq));
         if t.order.is_empty() {
