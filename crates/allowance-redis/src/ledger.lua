@@ -752,7 +752,16 @@ function ops.import()
   local base = req.b
   local rec = req.rec
   local rkey = base .. ':r:' .. rec.id
-  if redis.call('EXISTS', rkey) == 1 then return reply({t = 'ok', dup = true}) end
+  local raw = redis.call('GET', rkey)
+  if raw then
+    -- Imported already — unless as expired, and settled late since (an
+    -- import whose answer was lost, then a local late settle): the settle
+    -- comes in now, once, as a late settle would.
+    local old = decode(raw, rkey)
+    if not (old.st == 'expired' and rec.st == 'settled') then
+      return reply({t = 'ok', dup = true})
+    end
+  end
   for _, sc in ipairs(req.scopes) do observe_scope(sc) end
   local scopes = {}
   for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
