@@ -44,6 +44,12 @@ pub(crate) fn shared_groups(specs: &[ScopeSpec]) -> Vec<(String, Vec<usize>)> {
         .collect()
 }
 
+/// A denial's scope number (1-based) within one script's scopes, as a
+/// number within the whole reservation's.
+fn global_scope(idx: &[usize], s: usize) -> usize {
+    idx[s.wrapping_sub(1).min(idx.len() - 1)] + 1
+}
+
 pub(crate) fn is_shared_base(base: &str) -> bool {
     base.contains("{s")
 }
@@ -223,7 +229,7 @@ impl RedisStore {
                     "deny" => {
                         if let Some(d) = &r.d {
                             let mut d = d.clone();
-                            d.s = p.idx[d.s.wrapping_sub(1).min(p.idx.len() - 1)] + 1;
+                            d.s = global_scope(&p.idx, d.s);
                             denials.push(d);
                         }
                     }
@@ -286,7 +292,7 @@ impl RedisStore {
                     .d
                     .clone()
                     .ok_or_else(|| Self::corrupt("a denial without detail".into()))?;
-                d.s = tenant_idx[d.s.wrapping_sub(1).min(tenant_idx.len() - 1)] + 1;
+                d.s = global_scope(&tenant_idx, d.s);
                 let scopes: Vec<&ScopeKey> = keys.iter().collect();
                 return Err(StoreError::Rejected(ReserveError::Denied(Self::denial(
                     catalog, &scopes, &d,
@@ -513,7 +519,7 @@ impl RedisStore {
                     "deny" => {
                         if let Some(d) = &r.d {
                             let mut d = d.clone();
-                            d.s = p.idx[d.s.wrapping_sub(1).min(p.idx.len() - 1)] + 1;
+                            d.s = global_scope(&p.idx, d.s);
                             denials.push(d);
                         }
                     }
@@ -565,7 +571,7 @@ impl RedisStore {
                 .filter(|&i| !is_shared_base(&specs[i].b))
                 .collect();
             let mut d = d.clone();
-            d.s = tenant_idx[d.s.wrapping_sub(1).min(tenant_idx.len() - 1)] + 1;
+            d.s = global_scope(&tenant_idx, d.s);
             let res = self.reservation(catalog, rec)?;
             let scopes: Vec<&ScopeKey> = res.scopes.as_slice().iter().collect();
             return Err(StoreError::Rejected(ExtendError::Denied(Self::denial(

@@ -366,3 +366,125 @@ async fn a_held_local_reservation_stays_local_until_it_ends() {
         Err(StoreError::Rejected(SettleError::NotFound))
     ));
 }
+
+// Edges found by review: what a settle answered 200 while the reservation
+// was local reaches Redis exactly once.
+
+/// Waits until Redis answers the sweeper again.
+async fn until_redis_answers(store: &FailOpenLocal) {
+    let started = Instant::now();
+    while store.redis().expire_due().await.is_err() {
+        assert!(started.elapsed() < RECOVERY, "Redis did not come back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// An import whose reply is lost (Redis stalls past the timeout, then runs
+/// the queued script) leaves the reservation in Redis as expired; a late
+/// settle answered locally afterwards (200, settled, charged 50) must still
+/// reach Redis: the next import upgrades the expired record, once.
+/// (Found by review: it used to be dropped as a duplicate.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_settle_after_a_lost_import_reply_reaches_redis() {
+    let Some(()) = redis_available() else { return };
+    let mut server = RedisServer::start_with(aof());
+    let (fo, clock) = store(&server).await;
+    let c = catalog();
+    let acme = ScopeKey::tenant("acme").unwrap();
+
+    // Outage: admitted locally, then expires locally.
+    blocking(|| server.kill9());
+    let mut req = request(&c, "acme", 60);
+    req.ttl_ms = Some(1_000);
+    let g = fo.reserve(&req).await.unwrap();
+    assert_eq!(fo.admitted_locally(), 1);
+    clock.advance_ms(1_001);
+    assert_eq!(
+        fo.get(g.id).await.unwrap().map(|r| r.status),
+        Some(Status::Expired)
+    );
+
+    // Redis back; the first import's reply is lost: Redis is stalled past
+    // the client's timeout, then runs the script it had queued.
+    blocking(|| server.restart());
+    until_redis_answers(&fo).await;
+    // The ledger script is loaded again (a restarted Redis forgot it).
+    let warm = fo.reserve(&request(&c, "other", 1)).await.unwrap();
+    fo.settle(warm.id, &usage(1)).await.unwrap();
+    assert_eq!(fo.admitted_locally(), 1);
+    blocking(|| server.stop());
+    assert!(fo.reconcile().await.is_err(), "the import should time out");
+    blocking(|| server.cont());
+    let started = Instant::now();
+    loop {
+        if let Ok(Some(r)) = fo.redis().get(g.id).await {
+            assert_eq!(r.status, Status::Expired);
+            break;
+        }
+        assert!(started.elapsed() < RECOVERY, "the queued import never ran");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(fo.pending_reconciliation(), 1, "not confirmed: still local");
+
+    // A late settle: answered locally, 200, 50 tokens charged.
+    let settled = fo.settle(g.id, &usage(50)).await.unwrap();
+    assert_eq!(
+        (
+            settled.status,
+            settled.charged.as_ref().map(|c| c.get(Dimension::TOKENS))
+        ),
+        (Status::Settled, Some(50))
+    );
+
+    reconcile_all(&fo).await;
+    let st = fo.redis().status(&acme).await.unwrap();
+    let used = st.limits[0].used;
+    let rec = fo.redis().get(g.id).await.unwrap().expect("imported");
+    assert_eq!(
+        (
+            used,
+            rec.status,
+            rec.charged.map(|c| c.get(Dimension::TOKENS))
+        ),
+        (50, Status::Settled, Some(50)),
+        "the settle answered 200 (charged 50) must reach Redis: {st:?}"
+    );
+}
+
+/// Control for the test above: without a lost reply, the late settle of a
+/// locally expired reservation reaches Redis (charged once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_late_settle_then_extend_settle_are_imported_once() {
+    let Some(()) = redis_available() else { return };
+    let mut server = RedisServer::start_with(aof());
+    let (fo, clock) = store(&server).await;
+    let c = catalog();
+    let acme = ScopeKey::tenant("acme").unwrap();
+
+    blocking(|| server.kill9());
+    let mut req = request(&c, "acme", 20);
+    req.ttl_ms = Some(1_000);
+    let late = fo.reserve(&req).await.unwrap();
+    let grown = fo.reserve(&request(&c, "acme", 10)).await.unwrap();
+    // Extend adds: 10 + 60 = 70 held.
+    let r = fo.extend(grown.id, Some(&tokens(60)), None).await.unwrap();
+    assert_eq!(r.held.get(Dimension::TOKENS), 70);
+    clock.advance_ms(1_001);
+    let l = fo.settle(late.id, &usage(15)).await.unwrap();
+    assert_eq!((l.status, l.late), (Status::Settled, true));
+
+    blocking(|| server.restart());
+    until_redis_answers(&fo).await;
+    // Settled after Redis came back, before reconciliation: still local.
+    let s = fo.settle(grown.id, &usage(65)).await.unwrap();
+    assert_eq!(s.charged.map(|c| c.get(Dimension::TOKENS)), Some(65));
+    reconcile_all(&fo).await;
+    // Concurrent sweeps and a replayed settle change nothing.
+    let (a, b) = tokio::join!(fo.expire_due(), fo.expire_due());
+    a.unwrap();
+    b.unwrap();
+    let again = fo.settle(grown.id, &usage(1)).await.unwrap();
+    assert_eq!(again.charged.map(|c| c.get(Dimension::TOKENS)), Some(65));
+    let st = fo.redis().status(&acme).await.unwrap();
+    assert_eq!(st.limits[0].used, 80, "15 + 65: {st:?}");
+}

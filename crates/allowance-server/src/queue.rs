@@ -368,7 +368,7 @@ impl AdmissionQueue {
         };
         // Only the tenants about to be tried, with a guarantee, are asked,
         // all at once.
-        let mut asked: Vec<ScopeKey> = Vec::new();
+        let mut asked: Vec<(ScopeKey, u64)> = Vec::new();
         for c in candidates.iter().filter(|c| c.ready) {
             let tenant = c.req.scopes.tenant();
             let guaranteed = catalog
@@ -377,31 +377,30 @@ impl AdmissionQueue {
                 .iter()
                 .find(|l| l.dimension() == allowance_core::Dimension::CONCURRENT)
                 .map_or(0, |l| l.guaranteed());
-            if guaranteed > 0 && !asked.contains(tenant) {
-                asked.push(tenant.clone());
+            if guaranteed > 0 && !asked.iter().any(|(t, _)| t == tenant) {
+                asked.push((tenant.clone(), guaranteed));
             }
         }
         if asked.is_empty() {
             return;
         }
         let held = futures_util::future::join_all(
-            asked.iter().map(|t| state.call(state.store().status(t))),
+            asked
+                .iter()
+                .map(|(t, _)| state.call(state.store().status(t))),
         )
         .await;
-        let mut below: HashMap<ScopeKey, bool> = HashMap::new();
-        for (tenant, held) in asked.into_iter().zip(held) {
-            let guaranteed = catalog
-                .plan_for(&tenant)
-                .limits()
-                .iter()
-                .find(|l| l.dimension() == allowance_core::Dimension::CONCURRENT)
-                .map_or(0, |l| l.guaranteed());
-            let n = match held {
-                Ok(Ok(st)) => st.held_reservations,
-                _ => u64::MAX,
-            };
-            below.insert(tenant, n < guaranteed);
-        }
+        let below: HashMap<ScopeKey, bool> = asked
+            .into_iter()
+            .zip(held)
+            .map(|((tenant, guaranteed), held)| {
+                let n = match held {
+                    Ok(Ok(st)) => st.held_reservations,
+                    _ => u64::MAX,
+                };
+                (tenant, n < guaranteed)
+            })
+            .collect();
         candidates.sort_by_key(|c| {
             (
                 !below.get(c.req.scopes.tenant()).copied().unwrap_or(false),
