@@ -1,0 +1,415 @@
+"""The asynchronous client (asyncio) and its reservation guard.
+
+Same calls, same wire format (:mod:`allowance._api`), same decisions
+(:mod:`allowance._shared`) as :class:`allowance.Client`; only the I/O awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Generator,
+    Mapping,
+    Sequence,
+)
+from types import TracebackType
+from typing import Any, TypeVar, Unpack
+
+import httpx
+
+from . import _api
+from ._shared import (
+    DEFAULT_MAX_QUEUE_MS,
+    DEFAULT_TRANCHE_TOKENS,
+    GuardState,
+    MeterCore,
+    WaitPolicy,
+    add_note,
+)
+from .client import DEFAULT_TIMEOUT_S
+from .errors import AllowanceError, ConnectionFailed, Denied
+from .types import (
+    Charge,
+    LimitSpec,
+    Plan,
+    ReservationInfo,
+    ReservationStatus,
+    ReserveOptions,
+    ScopeStatus,
+    UsagePage,
+)
+
+T = TypeVar("T")
+
+
+class AsyncClient:
+    """An asyncio client of the allowance HTTP API (see :class:`allowance.Client`).
+
+    >>> async with AsyncClient(url, token) as c:                  # doctest: +SKIP
+    ...     async with c.reserve("acme", {"input_tokens": 3000}) as r:
+    ...         reply = await call_model()
+    ...         await r.settle({"input_tokens": 2950, "output_tokens": 412})
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        headers: Mapping[str, str] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=_api.headers(token, headers),
+            timeout=timeout_s,
+            transport=transport,
+        )
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Closes the connection pool."""
+        await self._http.aclose()
+
+    async def _send(self, call: _api.Call[T]) -> T:
+        try:
+            response = await self._http.request(**_api.request_kwargs(call, self.timeout_s))
+        except httpx.TransportError as e:
+            raise ConnectionFailed(f"{call.method} {call.path}: {e!r}") from e
+        return call.finish(response)
+
+    # Data plane ---------------------------------------------------------
+
+    def reserve(
+        self, tenant: str, amounts: Mapping[str, int], **options: Unpack[ReserveOptions]
+    ) -> PendingReservation:
+        """Holds ``amounts``; ``await`` it, or use it directly in ``async with``
+        (see :meth:`allowance.Client.reserve`)."""
+
+        async def run() -> AsyncReservation:
+            info = await self._send(_api.reserve(tenant, amounts, options))
+            return AsyncReservation(self, info)
+
+        return PendingReservation(run)
+
+    def reserve_or_wait(
+        self,
+        tenant: str,
+        amounts: Mapping[str, int],
+        *,
+        timeout_s: float = 60.0,
+        max_backoff_s: float = 30.0,
+        jitter: float = 0.25,
+        max_queue_ms: int = DEFAULT_MAX_QUEUE_MS,
+        rng: random.Random | None = None,
+        **options: Unpack[ReserveOptions],
+    ) -> PendingReservation:
+        """Reserves, waiting up to ``timeout_s`` for room (see
+        :meth:`allowance.Client.reserve_or_wait`)."""
+
+        async def run() -> AsyncReservation:
+            policy = WaitPolicy(
+                timeout_s=timeout_s,
+                max_backoff_s=max_backoff_s,
+                jitter=jitter,
+                max_queue_ms=max_queue_ms,
+                idempotent="idempotency_key" in options,
+                rng=rng or random.Random(),
+            )
+            while True:
+                attempt = ReserveOptions(**options)
+                attempt["wait_ms"] = policy.wait_ms()
+                try:
+                    info = await self._send(_api.reserve(tenant, amounts, attempt))
+                    return AsyncReservation(self, info)
+                except AllowanceError as e:
+                    if policy.adapt(e):
+                        continue
+                    delay = policy.delay_s(e)
+                    if delay is None:
+                        raise
+                    await asyncio.sleep(delay)
+
+        return PendingReservation(run)
+
+    async def dry_run(
+        self, tenant: str, amounts: Mapping[str, int], **options: Unpack[ReserveOptions]
+    ) -> ReservationInfo:
+        """Answers exactly as a reserve would, holding nothing."""
+        return await self._send(_api.dry_run(tenant, amounts, options))
+
+    async def get(self, reservation_id: str) -> ReservationInfo:
+        """A reservation by id."""
+        return await self._send(_api.get(reservation_id))
+
+    async def settle(
+        self,
+        reservation_id: str,
+        usage: Mapping[str, int],
+        charges: Sequence[Charge] | None = None,
+    ) -> ReservationInfo:
+        """Records the actual ``usage`` and releases the hold (idempotent)."""
+        return await self._send(_api.settle(reservation_id, usage, charges))
+
+    async def refund(self, reservation_id: str) -> ReservationInfo:
+        """Releases the hold, recording nothing (idempotent)."""
+        return await self._send(_api.refund(reservation_id))
+
+    async def extend(
+        self,
+        reservation_id: str,
+        amounts: Mapping[str, int] | None = None,
+        ttl_ms: int | None = None,
+    ) -> ReservationInfo:
+        """Raises the hold and/or pushes the expiry (all or nothing)."""
+        return await self._send(_api.extend(reservation_id, amounts, ttl_ms))
+
+    async def status(self, scope: str) -> ScopeStatus:
+        """A scope's limits with their use."""
+        return await self._send(_api.status(scope))
+
+    async def usage(self, since: str | None = None, limit: int | None = None) -> UsagePage:
+        """A page of the usage log after cursor ``since``."""
+        return await self._send(_api.usage(since, limit))
+
+    async def healthz(self) -> bool:
+        """True when the process is up (raises otherwise)."""
+        return await self._send(_api.healthz())
+
+    async def readyz(self) -> bool:
+        """True when the store answers (raises otherwise)."""
+        return await self._send(_api.readyz())
+
+    # Admin plane --------------------------------------------------------
+
+    async def plans(self) -> list[Plan]:
+        """Every plan (admin)."""
+        return await self._send(_api.plans())
+
+    async def put_plan(
+        self,
+        name: str,
+        limits: Sequence[LimitSpec],
+        *,
+        overrun: str | None = None,
+        overrun_percent: int | None = None,
+        queue_weight: int | None = None,
+    ) -> Plan:
+        """Defines or changes a plan (admin)."""
+        call = _api.put_plan(
+            name,
+            limits,
+            overrun=overrun,
+            overrun_percent=overrun_percent,
+            queue_weight=queue_weight,
+        )
+        return await self._send(call)
+
+    async def set_scope(
+        self,
+        scope: str,
+        *,
+        plan: str | None = None,
+        limits: Sequence[LimitSpec] | None = None,
+    ) -> ScopeStatus:
+        """Moves a scope to ``plan`` or gives it its own ``limits`` (admin)."""
+        return await self._send(_api.put_scope(scope, plan=plan, limits=limits))
+
+    async def delete_override(self, scope: str) -> ScopeStatus:
+        """Returns a scope to its kind's default plan (admin)."""
+        return await self._send(_api.delete_override(scope))
+
+    async def adjust(self, scope: str, dimension: str, amount: int, reason: str) -> ScopeStatus:
+        """Credits (``amount`` > 0) or debits a ``total`` budget (admin)."""
+        return await self._send(_api.adjust(scope, dimension, amount, reason))
+
+
+class PendingReservation:
+    """A reserve in flight: ``await`` it for the :class:`AsyncReservation`,
+    or enter it with ``async with`` to guard the block."""
+
+    def __init__(self, run: Callable[[], Awaitable[AsyncReservation]]) -> None:
+        self._run = run
+        self._reservation: AsyncReservation | None = None
+
+    def __await__(self) -> Generator[Any, None, AsyncReservation]:
+        return self._run().__await__()
+
+    async def __aenter__(self) -> AsyncReservation:
+        self._reservation = await self._run()
+        return self._reservation
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._reservation is not None:
+            await self._reservation._exit(exc, stacklevel=3)
+
+
+class AsyncReservation:
+    """A live reservation (see :class:`allowance.Reservation`): in ``async
+    with``, an exception refunds and a forgotten settle charges the estimate."""
+
+    def __init__(self, client: AsyncClient, info: ReservationInfo) -> None:
+        self._client = client
+        self._state = GuardState(info)
+
+    @property
+    def info(self) -> ReservationInfo:
+        """The reservation as last answered by the server."""
+        return self._state.info
+
+    @property
+    def id(self) -> str:
+        """The reservation's id."""
+        return self._state.info.id or ""
+
+    @property
+    def status(self) -> ReservationStatus:
+        """``held``, ``settled``, ``refunded`` or ``expired`` (as last seen)."""
+        return self._state.info.status
+
+    @property
+    def held(self) -> dict[str, int]:
+        """Amounts held, ``requests`` and ``concurrent`` included."""
+        return self._state.info.held
+
+    @property
+    def replayed(self) -> bool:
+        """True when the reserve was an idempotent repeat."""
+        return self._state.info.replayed
+
+    @property
+    def cut(self) -> Denied | None:
+        """The denial that stopped :meth:`stream`, if one did."""
+        return self._state.cut
+
+    async def settle(
+        self, usage: Mapping[str, int], charges: Sequence[Charge] | None = None
+    ) -> ReservationInfo:
+        """Records the actual usage."""
+        self._state.info = await self._client.settle(self.id, usage, charges)
+        return self._state.info
+
+    async def refund(self) -> ReservationInfo:
+        """Releases the hold, recording nothing."""
+        self._state.info = await self._client.refund(self.id)
+        return self._state.info
+
+    async def extend(
+        self, amounts: Mapping[str, int] | None = None, ttl_ms: int | None = None
+    ) -> ReservationInfo:
+        """Raises the hold and/or pushes the expiry."""
+        self._state.info = await self._client.extend(self.id, amounts, ttl_ms)
+        return self._state.info
+
+    async def refresh(self) -> ReservationInfo:
+        """Reads the reservation again."""
+        self._state.info = await self._client.get(self.id)
+        return self._state.info
+
+    def meter(
+        self, *, tranche_tokens: int = DEFAULT_TRANCHE_TOKENS, ttl_ms: int | None = None
+    ) -> AsyncStreamMeter:
+        """A meter for a streamed answer (see :class:`AsyncStreamMeter`)."""
+        return AsyncStreamMeter(self, tranche_tokens=tranche_tokens, ttl_ms=ttl_ms)
+
+    async def stream(
+        self,
+        chunks: AsyncIterable[T],
+        count: Callable[[T], int],
+        *,
+        tranche_tokens: int = DEFAULT_TRANCHE_TOKENS,
+        ttl_ms: int | None = None,
+    ) -> AsyncIterator[T]:
+        """Yields ``chunks``, topping up the hold as output tokens arrive;
+        stops cleanly when a top-up is refused (:attr:`cut`)."""
+        meter = self.meter(tranche_tokens=tranche_tokens, ttl_ms=ttl_ms)
+        async for chunk in chunks:
+            try:
+                await meter.add(count(chunk))
+            except Denied as e:
+                self._state.cut = e
+                yield chunk
+                return
+            yield chunk
+
+    async def __aenter__(self) -> AsyncReservation:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._exit(exc, stacklevel=3)
+
+    async def _exit(self, exc: BaseException | None, stacklevel: int) -> None:
+        action, usage = self._state.exit_action(failed=exc is not None)
+        try:
+            if action == "refund":
+                await self.refund()
+            elif action == "settle_observed" and usage is not None:
+                await self.settle(usage)
+            elif action == "settle_estimate" and usage is not None:
+                self._state.warn_unsettled(usage, stacklevel=stacklevel + 1)
+                await self.settle(usage)
+        except AllowanceError as cleanup:
+            if exc is None:
+                raise
+            add_note(exc, action, cleanup)
+
+
+class AsyncStreamMeter:
+    """Counts streamed output tokens and tops up the hold ahead of them
+    (see :class:`allowance.StreamMeter`)."""
+
+    def __init__(
+        self, reservation: AsyncReservation, *, tranche_tokens: int, ttl_ms: int | None
+    ) -> None:
+        self._reservation = reservation
+        self._core = MeterCore(
+            held_output_tokens=reservation.held.get("output_tokens", 0),
+            tranche_tokens=tranche_tokens,
+            ttl_ms=ttl_ms,
+        )
+
+    @property
+    def output_tokens(self) -> int:
+        """Output tokens seen so far."""
+        return self._core.seen_output_tokens
+
+    async def add(self, tokens: int) -> None:
+        """Records ``tokens`` more output, topping up the hold if needed;
+        raises the denial when a top-up is refused."""
+        extra = self._core.top_up(tokens)
+        self._reservation._state.observed_output_tokens = self._core.seen_output_tokens
+        if extra:
+            info = await self._reservation.extend({"output_tokens": extra}, self._core.ttl_ms)
+            self._core.extended(info)
+
+    def usage(self, input_tokens: int | None = None) -> dict[str, int]:
+        """Usage to settle with: ``input_tokens`` (the estimate by default)
+        and the output tokens seen."""
+        held_input = self._reservation.held.get("input_tokens", 0)
+        return {
+            "input_tokens": held_input if input_tokens is None else input_tokens,
+            "output_tokens": self._core.seen_output_tokens,
+        }

@@ -1,0 +1,402 @@
+"""The synchronous client and its reservation guard."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import TypeVar, Unpack
+
+import httpx
+
+from . import _api
+from ._shared import (
+    DEFAULT_MAX_QUEUE_MS,
+    DEFAULT_TRANCHE_TOKENS,
+    GuardState,
+    MeterCore,
+    WaitPolicy,
+    add_note,
+)
+from .errors import AllowanceError, ConnectionFailed, Denied
+from .types import (
+    Charge,
+    LimitSpec,
+    Plan,
+    ReservationInfo,
+    ReservationStatus,
+    ReserveOptions,
+    ScopeStatus,
+    UsagePage,
+)
+
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT_S = 10.0
+"""Per-request timeout; a reserve with ``wait_ms`` gets that much more."""
+
+
+class Client:
+    """A synchronous client of the allowance HTTP API.
+
+    ``token`` is an API token (``Authorization: Bearer``): an admin token,
+    or a tenant token for that tenant's data plane. Use it as a context
+    manager, or call :meth:`close`, to release its connections.
+
+    >>> with Client("http://127.0.0.1:8787", token) as c:      # doctest: +SKIP
+    ...     with c.reserve("acme", {"input_tokens": 3000, "output_tokens": 500}) as r:
+    ...         reply = call_model()
+    ...         r.settle({"input_tokens": 2950, "output_tokens": 412})
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        headers: Mapping[str, str] | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            headers=_api.headers(token, headers),
+            timeout=timeout_s,
+            transport=transport,
+        )
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Closes the connection pool."""
+        self._http.close()
+
+    def _send(self, call: _api.Call[T]) -> T:
+        try:
+            response = self._http.request(**_api.request_kwargs(call, self.timeout_s))
+        except httpx.TransportError as e:
+            raise ConnectionFailed(f"{call.method} {call.path}: {e!r}") from e
+        return call.finish(response)
+
+    # Data plane ---------------------------------------------------------
+
+    def reserve(
+        self, tenant: str, amounts: Mapping[str, int], **options: Unpack[ReserveOptions]
+    ) -> Reservation:
+        """Holds ``amounts`` against the tenant and ``scopes``; raises a
+        :class:`~allowance.Denied` subclass when a limit says no.
+
+        The answer is a :class:`Reservation`; use it in a ``with`` block so
+        a failure refunds and a forgotten settle still charges the estimate.
+        """
+        return Reservation(self, self._send(_api.reserve(tenant, amounts, options)))
+
+    def reserve_or_wait(
+        self,
+        tenant: str,
+        amounts: Mapping[str, int],
+        *,
+        timeout_s: float = 60.0,
+        max_backoff_s: float = 30.0,
+        jitter: float = 0.25,
+        max_queue_ms: int = DEFAULT_MAX_QUEUE_MS,
+        rng: random.Random | None = None,
+        **options: Unpack[ReserveOptions],
+    ) -> Reservation:
+        """Reserves, waiting up to ``timeout_s`` for room.
+
+        Each attempt queues in the server (``wait_ms``, at most
+        ``max_queue_ms``, lowered to the server's ``queue.max_wait_ms`` if that
+        is less) so it is admitted the moment room frees; a
+        ``rate_limited`` answer is retried after its ``retry_after`` (capped
+        at ``max_backoff_s``, plus up to ``jitter`` × it). With an
+        ``idempotency_key``, a 503 or a broken connection is retried too
+        (same key: it cannot hold twice). ``budget_exhausted`` and
+        ``exceeds_limit`` raise at once; the last denial raises when time
+        is up.
+        """
+        policy = WaitPolicy(
+            timeout_s=timeout_s,
+            max_backoff_s=max_backoff_s,
+            jitter=jitter,
+            max_queue_ms=max_queue_ms,
+            idempotent="idempotency_key" in options,
+            rng=rng or random.Random(),
+        )
+        while True:
+            attempt = ReserveOptions(**options)
+            attempt["wait_ms"] = policy.wait_ms()
+            try:
+                return self.reserve(tenant, amounts, **attempt)
+            except AllowanceError as e:
+                if policy.adapt(e):
+                    continue
+                delay = policy.delay_s(e)
+                if delay is None:
+                    raise
+                time.sleep(delay)
+
+    def dry_run(
+        self, tenant: str, amounts: Mapping[str, int], **options: Unpack[ReserveOptions]
+    ) -> ReservationInfo:
+        """Answers exactly as a reserve would (or raises the same denial),
+        holding nothing."""
+        return self._send(_api.dry_run(tenant, amounts, options))
+
+    def get(self, reservation_id: str) -> ReservationInfo:
+        """A reservation by id (expiry observed: past ``expires_at`` it is
+        ``expired``)."""
+        return self._send(_api.get(reservation_id))
+
+    def settle(
+        self,
+        reservation_id: str,
+        usage: Mapping[str, int],
+        charges: Sequence[Charge] | None = None,
+    ) -> ReservationInfo:
+        """Records the actual ``usage`` and releases the hold. Idempotent; a
+        refunded reservation raises :class:`~allowance.Conflict`."""
+        return self._send(_api.settle(reservation_id, usage, charges))
+
+    def refund(self, reservation_id: str) -> ReservationInfo:
+        """Releases the hold, recording nothing. Idempotent; a settled
+        reservation raises :class:`~allowance.Conflict`."""
+        return self._send(_api.refund(reservation_id))
+
+    def extend(
+        self,
+        reservation_id: str,
+        amounts: Mapping[str, int] | None = None,
+        ttl_ms: int | None = None,
+    ) -> ReservationInfo:
+        """Raises the hold by ``amounts`` (all or nothing) and/or pushes the
+        expiry to now + ``ttl_ms``. A denial leaves the reservation as it was."""
+        return self._send(_api.extend(reservation_id, amounts, ttl_ms))
+
+    def status(self, scope: str) -> ScopeStatus:
+        """A scope's limits with their use (``tenant:acme/user:bob``)."""
+        return self._send(_api.status(scope))
+
+    def usage(self, since: str | None = None, limit: int | None = None) -> UsagePage:
+        """A page of the usage log after cursor ``since``."""
+        return self._send(_api.usage(since, limit))
+
+    def healthz(self) -> bool:
+        """True when the process is up (raises otherwise)."""
+        return self._send(_api.healthz())
+
+    def readyz(self) -> bool:
+        """True when the store answers (raises otherwise)."""
+        return self._send(_api.readyz())
+
+    # Admin plane --------------------------------------------------------
+
+    def plans(self) -> list[Plan]:
+        """Every plan (admin)."""
+        return self._send(_api.plans())
+
+    def put_plan(
+        self,
+        name: str,
+        limits: Sequence[LimitSpec],
+        *,
+        overrun: str | None = None,
+        overrun_percent: int | None = None,
+        queue_weight: int | None = None,
+    ) -> Plan:
+        """Defines or changes a plan (admin); effective for the next operation."""
+        call = _api.put_plan(
+            name,
+            limits,
+            overrun=overrun,
+            overrun_percent=overrun_percent,
+            queue_weight=queue_weight,
+        )
+        return self._send(call)
+
+    def set_scope(
+        self,
+        scope: str,
+        *,
+        plan: str | None = None,
+        limits: Sequence[LimitSpec] | None = None,
+    ) -> ScopeStatus:
+        """Moves a scope to ``plan`` or gives it its own ``limits`` (admin)."""
+        return self._send(_api.put_scope(scope, plan=plan, limits=limits))
+
+    def delete_override(self, scope: str) -> ScopeStatus:
+        """Returns a scope to its kind's default plan (admin)."""
+        return self._send(_api.delete_override(scope))
+
+    def adjust(self, scope: str, dimension: str, amount: int, reason: str) -> ScopeStatus:
+        """Credits (``amount`` > 0) or debits a ``total`` budget (admin)."""
+        return self._send(_api.adjust(scope, dimension, amount, reason))
+
+
+class Reservation:
+    """A live reservation; a context manager that never lets a call go free.
+
+    - ``r.settle(usage)`` records the real usage (do this);
+    - an exception inside the ``with`` block refunds (the call failed), then
+      re-raises — unless a streaming meter saw tokens arrive, in which case
+      those are settled (the provider counted them);
+    - leaving the block normally without a settle settles at the estimate
+      and warns :class:`~allowance.UnsettledReservationWarning`.
+
+    A replayed reserve (same ``idempotency_key``) of a reservation that
+    already ended is left alone: check :attr:`replayed` and :attr:`status`
+    to skip work that was already done.
+    """
+
+    def __init__(self, client: Client, info: ReservationInfo) -> None:
+        self._client = client
+        self._state = GuardState(info)
+
+    @property
+    def info(self) -> ReservationInfo:
+        """The reservation as last answered by the server."""
+        return self._state.info
+
+    @property
+    def id(self) -> str:
+        """The reservation's id."""
+        return self._state.info.id or ""
+
+    @property
+    def status(self) -> ReservationStatus:
+        """``held``, ``settled``, ``refunded`` or ``expired`` (as last seen)."""
+        return self._state.info.status
+
+    @property
+    def held(self) -> dict[str, int]:
+        """Amounts held, ``requests`` and ``concurrent`` included."""
+        return self._state.info.held
+
+    @property
+    def replayed(self) -> bool:
+        """True when the reserve was an idempotent repeat."""
+        return self._state.info.replayed
+
+    @property
+    def cut(self) -> Denied | None:
+        """The denial that stopped :meth:`stream`, if one did."""
+        return self._state.cut
+
+    def settle(
+        self, usage: Mapping[str, int], charges: Sequence[Charge] | None = None
+    ) -> ReservationInfo:
+        """Records the actual usage (see :meth:`Client.settle`)."""
+        self._state.info = self._client.settle(self.id, usage, charges)
+        return self._state.info
+
+    def refund(self) -> ReservationInfo:
+        """Releases the hold, recording nothing (see :meth:`Client.refund`)."""
+        self._state.info = self._client.refund(self.id)
+        return self._state.info
+
+    def extend(
+        self, amounts: Mapping[str, int] | None = None, ttl_ms: int | None = None
+    ) -> ReservationInfo:
+        """Raises the hold and/or pushes the expiry (see :meth:`Client.extend`)."""
+        self._state.info = self._client.extend(self.id, amounts, ttl_ms)
+        return self._state.info
+
+    def refresh(self) -> ReservationInfo:
+        """Reads the reservation again."""
+        self._state.info = self._client.get(self.id)
+        return self._state.info
+
+    def meter(
+        self, *, tranche_tokens: int = DEFAULT_TRANCHE_TOKENS, ttl_ms: int | None = None
+    ) -> StreamMeter:
+        """A meter for a streamed answer: :meth:`StreamMeter.add` the output
+        tokens as they arrive and the hold grows tranche by tranche."""
+        return StreamMeter(self, tranche_tokens=tranche_tokens, ttl_ms=ttl_ms)
+
+    def stream(
+        self,
+        chunks: Iterable[T],
+        count: Callable[[T], int],
+        *,
+        tranche_tokens: int = DEFAULT_TRANCHE_TOKENS,
+        ttl_ms: int | None = None,
+    ) -> Iterator[T]:
+        """Yields ``chunks``, topping up the hold by ``count(chunk)`` output
+        tokens each; when a top-up is refused the stream stops cleanly and
+        :attr:`cut` holds the denial (like the gateway's streams)."""
+        meter = self.meter(tranche_tokens=tranche_tokens, ttl_ms=ttl_ms)
+        for chunk in chunks:
+            try:
+                meter.add(count(chunk))
+            except Denied as e:
+                self._state.cut = e
+                yield chunk
+                return
+            yield chunk
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        action, usage = self._state.exit_action(failed=exc is not None)
+        try:
+            if action == "refund":
+                self.refund()
+            elif action == "settle_observed" and usage is not None:
+                self.settle(usage)
+            elif action == "settle_estimate" and usage is not None:
+                self._state.warn_unsettled(usage, stacklevel=3)
+                self.settle(usage)
+        except AllowanceError as cleanup:
+            if exc is None:
+                raise
+            add_note(exc, action, cleanup)
+
+
+class StreamMeter:
+    """Counts a streamed answer's output tokens and extends the hold ahead
+    of them, ``tranche_tokens`` at a time (and pushes the TTL with each
+    top-up when ``ttl_ms`` is given). :meth:`add` raises the denial when a
+    top-up is refused: stop reading the stream."""
+
+    def __init__(self, reservation: Reservation, *, tranche_tokens: int, ttl_ms: int | None):
+        self._reservation = reservation
+        self._core = MeterCore(
+            held_output_tokens=reservation.held.get("output_tokens", 0),
+            tranche_tokens=tranche_tokens,
+            ttl_ms=ttl_ms,
+        )
+
+    @property
+    def output_tokens(self) -> int:
+        """Output tokens seen so far."""
+        return self._core.seen_output_tokens
+
+    def add(self, tokens: int) -> None:
+        """Records ``tokens`` more output, topping up the hold if needed."""
+        extra = self._core.top_up(tokens)
+        self._reservation._state.observed_output_tokens = self._core.seen_output_tokens
+        if extra:
+            info = self._reservation.extend({"output_tokens": extra}, self._core.ttl_ms)
+            self._core.extended(info)
+
+    def usage(self, input_tokens: int | None = None) -> dict[str, int]:
+        """Usage to settle with: ``input_tokens`` (the estimate by default)
+        and the output tokens seen."""
+        held_input = self._reservation.held.get("input_tokens", 0)
+        return {
+            "input_tokens": held_input if input_tokens is None else input_tokens,
+            "output_tokens": self._core.seen_output_tokens,
+        }

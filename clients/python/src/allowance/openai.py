@@ -1,0 +1,526 @@
+"""Budgeting around the official ``openai`` SDK, in your own process.
+
+For users who do not run the allowance gateway: each
+``chat.completions.create`` call reserves its estimate on an allowance
+server, calls OpenAI (or any compatible endpoint) directly, and settles the
+``usage`` the answer reports. A failed call is refunded; a denial raises
+before anything is sent upstream.
+
+    from openai import OpenAI
+    from allowance import Client
+    from allowance.openai import BudgetedOpenAI
+
+    ai = BudgetedOpenAI(OpenAI(), Client(url, token), tenant="acme", scopes={"user": "bob"})
+    reply = ai.chat.completions.create(model="gpt-4o", messages=[...], max_tokens=300)
+
+The estimate needs no network: Python's ``tiktoken`` downloads its ranks
+at run time, so input tokens are estimated by
+:func:`estimate_chat_input_tokens` (the gateway's per-message formula with
+``ceil(characters / 4)`` per text, OpenAI's rule of thumb for English), or
+by your own ``count_tokens``. The estimate only sizes the hold; the settle
+records the real ``usage``. The output is held at the call's bound
+(``max_completion_tokens`` / ``max_tokens``, else ``default_max_output_tokens``).
+
+Streams hold the prompt plus one tranche of output and top it up as
+tokens arrive (a refused top-up ends the stream cleanly, like the
+gateway); ``stream_options.include_usage`` is added so the settle uses the
+real usage, and the extra usage chunk is not shown unless you asked for it.
+
+Install with the extra: ``pip install 'allowance[openai]'``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Generator,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from types import TracebackType
+from typing import Any, cast
+
+import openai
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.completion_usage import CompletionUsage
+
+from ._shared import DEFAULT_TRANCHE_TOKENS
+from .aio import AsyncClient, AsyncReservation, AsyncStreamMeter
+from .client import Client, Reservation, StreamMeter
+from .errors import Denied
+from .types import ReserveOptions
+
+__all__ = [
+    "AsyncBudgetedOpenAI",
+    "AsyncBudgetedStream",
+    "BudgetedOpenAI",
+    "BudgetedStream",
+    "estimate_chat_input_tokens",
+    "estimate_stream_text_tokens",
+    "estimate_text_tokens",
+]
+
+CHARS_PER_TOKEN = 4
+"""OpenAI's rule of thumb for English text."""
+
+MESSAGE_OVERHEAD_TOKENS = 3
+"""What each chat message costs before its fields (OpenAI's counting guide)."""
+
+REPLY_PRIMING_TOKENS = 3
+"""What every chat request adds for the reply's priming."""
+
+NAME_TOKENS = 1
+"""What a message's ``name`` adds beyond its value."""
+
+IMAGE_TOKENS = 765
+"""A flat price for one image part (a high-detail 512×512 tile's worth)."""
+
+DEFAULT_MAX_OUTPUT_TOKENS = 4096
+"""Output held when a call names no bound."""
+
+TokenCounter = Callable[[Sequence[Mapping[str, Any]], Sequence[Any] | None], int]
+"""``(messages, tools) -> input tokens``: your own estimate."""
+
+
+def estimate_text_tokens(text: str) -> int:
+    """``ceil(len(text) / 4)``: a tokenizer-free estimate of ``text``."""
+    return math.ceil(len(text) / CHARS_PER_TOKEN)
+
+
+def _json_tokens(value: object) -> int:
+    return estimate_text_tokens(json.dumps(value, separators=(",", ":"), default=str))
+
+
+def _part_tokens(part: object) -> int:
+    if isinstance(part, Mapping):
+        if part.get("type") in ("image_url", "input_image", "image"):
+            return IMAGE_TOKENS
+        text = part.get("text")
+        if isinstance(text, str):
+            return estimate_text_tokens(text)
+    return _json_tokens(part)
+
+
+def estimate_chat_input_tokens(
+    messages: Iterable[Mapping[str, Any]], tools: Sequence[Any] | None = None
+) -> int:
+    """The input tokens of a chat request, without a tokenizer.
+
+    Each message counts 3, plus each field: a string by
+    :func:`estimate_text_tokens`, ``content`` parts by their text (an image
+    765), anything else by its compact JSON; ``name`` adds 1. The request
+    adds 3 for the reply's priming, and the compact JSON of ``tools``.
+    """
+    total = REPLY_PRIMING_TOKENS
+    for message in messages:
+        total += MESSAGE_OVERHEAD_TOKENS
+        for key, value in message.items():
+            if isinstance(value, str):
+                total += estimate_text_tokens(value)
+            elif key == "content" and isinstance(value, list):
+                total += sum(_part_tokens(p) for p in value)
+            else:
+                total += _json_tokens(value)
+            if key == "name":
+                total += NAME_TOKENS
+    if tools:
+        total += _json_tokens(list(tools))
+    return total
+
+
+def _usage_of(usage: CompletionUsage) -> dict[str, int]:
+    """An OpenAI ``usage`` as settle usage."""
+    out = {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}
+    details = usage.prompt_tokens_details
+    cached = details.cached_tokens if details is not None else None
+    if cached:
+        out["cached_input_tokens"] = cached
+    return out
+
+
+def estimate_stream_text_tokens(text: str) -> int:
+    """Output tokens of one streamed piece of text: ``max(1, len // 4)``.
+
+    A provider usually streams one token per chunk (`` hello`` is one token
+    of six characters), so a chunk with text counts at least one and only a
+    longer batch counts more; the settle uses the real ``usage`` when the
+    stream reports it.
+    """
+    return max(1, len(text) // CHARS_PER_TOKEN) if text else 0
+
+
+def _delta_tokens(chunk: ChatCompletionChunk) -> int:
+    """Output tokens a chunk carries, estimated."""
+    total = 0
+    for choice in chunk.choices:
+        delta = choice.delta
+        total += estimate_stream_text_tokens((delta.content or "") + (delta.refusal or ""))
+        if delta.tool_calls:
+            total += _json_tokens([t.model_dump() for t in delta.tool_calls])
+    return total
+
+
+class _Plan:
+    """What one call reserves and how it is sent: shared by sync and async."""
+
+    def __init__(self, owner: _Options, kwargs: dict[str, Any]) -> None:
+        messages = kwargs.get("messages")
+        if not isinstance(messages, Iterable):
+            raise TypeError("messages: required, a list of chat messages")
+        self.kwargs = dict(kwargs)
+        self.stream = bool(kwargs.get("stream"))
+        tools = kwargs.get("tools") or kwargs.get("functions")
+        input_tokens = owner.count_tokens(list(messages), tools)
+        bound = kwargs.get("max_completion_tokens") or kwargs.get("max_tokens")
+        output_bound = int(bound) if bound else owner.default_max_output_tokens
+        self.output_bound = output_bound
+        output_hold = min(owner.tranche_tokens, output_bound) if self.stream else output_bound
+        self.amounts = {"input_tokens": input_tokens, "output_tokens": output_hold}
+        self.options: ReserveOptions = ReserveOptions(**owner.options)
+        model = kwargs.get("model")
+        if owner.price_model and isinstance(model, str):
+            self.options["model"] = model
+        # Without it a stream reports no usage and would be settled from
+        # estimates; the extra chunk is hidden unless the caller asked.
+        self.hide_usage_chunk = False
+        if self.stream:
+            stream_options = dict(kwargs.get("stream_options") or {})
+            if not stream_options.get("include_usage"):
+                stream_options["include_usage"] = True
+                self.hide_usage_chunk = True
+            self.kwargs["stream_options"] = stream_options
+
+
+class _Options:
+    """The wrapper's settings (shared by sync and async)."""
+
+    def __init__(
+        self,
+        tenant: str,
+        scopes: Mapping[str, str] | None,
+        count_tokens: TokenCounter | None,
+        default_max_output_tokens: int,
+        tranche_tokens: int,
+        price_model: bool,
+        ttl_ms: int | None,
+        labels: Mapping[str, str] | None,
+        wait_s: float | None,
+    ) -> None:
+        if default_max_output_tokens < 1:
+            raise ValueError("default_max_output_tokens: must be ≥ 1")
+        if tranche_tokens < 1:
+            raise ValueError("tranche_tokens: must be ≥ 1")
+        self.tenant = tenant
+        self.count_tokens: TokenCounter = count_tokens or estimate_chat_input_tokens
+        self.default_max_output_tokens = default_max_output_tokens
+        self.tranche_tokens = tranche_tokens
+        self.price_model = price_model
+        self.wait_s = wait_s
+        self.options = ReserveOptions()
+        if scopes:
+            self.options["scopes"] = dict(scopes)
+        if ttl_ms is not None:
+            self.options["ttl_ms"] = ttl_ms
+        if labels:
+            self.options["labels"] = dict(labels)
+
+
+class BudgetedOpenAI:
+    """An ``openai.OpenAI`` whose chat completions are reserved and settled
+    on an allowance server (see the module docs).
+
+    ``wait_s``: queue up to that long for room (``reserve_or_wait``) rather
+    than raise a rate denial at once. ``price_model``: name the call's model
+    on the reservation so the server prices ``cost_micros`` (the model must
+    be in its model table).
+    """
+
+    def __init__(
+        self,
+        client: openai.OpenAI,
+        allowance: Client,
+        *,
+        tenant: str,
+        scopes: Mapping[str, str] | None = None,
+        count_tokens: TokenCounter | None = None,
+        default_max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
+        tranche_tokens: int = DEFAULT_TRANCHE_TOKENS,
+        price_model: bool = True,
+        ttl_ms: int | None = None,
+        labels: Mapping[str, str] | None = None,
+        wait_s: float | None = None,
+    ) -> None:
+        self.openai = client
+        self.allowance = allowance
+        self._options = _Options(
+            tenant,
+            scopes,
+            count_tokens,
+            default_max_output_tokens,
+            tranche_tokens,
+            price_model,
+            ttl_ms,
+            labels,
+            wait_s,
+        )
+        self.chat = _Chat(self)
+
+    def _reserve(self, plan: _Plan) -> Reservation:
+        o = self._options
+        if o.wait_s is not None:
+            return self.allowance.reserve_or_wait(
+                o.tenant, plan.amounts, timeout_s=o.wait_s, **plan.options
+            )
+        return self.allowance.reserve(o.tenant, plan.amounts, **plan.options)
+
+    def _create(self, kwargs: dict[str, Any]) -> ChatCompletion | BudgetedStream:
+        plan = _Plan(self._options, kwargs)
+        reservation = self._reserve(plan)
+        if plan.stream:
+            try:
+                stream = self.openai.chat.completions.create(**plan.kwargs)
+            except BaseException as e:
+                reservation.__exit__(type(e), e, e.__traceback__)
+                raise
+            return BudgetedStream(
+                cast("openai.Stream[ChatCompletionChunk]", stream), reservation, plan, self._options
+            )
+        with reservation:
+            reply = cast("ChatCompletion", self.openai.chat.completions.create(**plan.kwargs))
+            if reply.usage is not None:
+                reservation.settle(_usage_of(reply.usage))
+            # No usage reported: the guard settles at the estimate (and warns).
+        return reply
+
+
+class _Chat:
+    def __init__(self, owner: BudgetedOpenAI) -> None:
+        self.completions = _Completions(owner)
+
+
+class _Completions:
+    def __init__(self, owner: BudgetedOpenAI) -> None:
+        self._owner = owner
+
+    def create(self, **kwargs: Any) -> Any:
+        """``openai.OpenAI().chat.completions.create``, reserved and settled:
+        a ``ChatCompletion``, or a :class:`BudgetedStream` with ``stream=True``."""
+        return self._owner._create(kwargs)
+
+
+class BudgetedStream:
+    """A streamed chat completion whose hold grows as tokens arrive.
+
+    Iterate it as the SDK's stream. It settles when the stream ends (from
+    the final usage chunk, else from the tokens seen), settles what arrived
+    if the stream breaks or you stop early, and refunds if nothing arrived.
+    When a top-up is refused the stream ends cleanly and :attr:`cut` holds
+    the denial.
+    """
+
+    def __init__(
+        self,
+        stream: openai.Stream[ChatCompletionChunk],
+        reservation: Reservation,
+        plan: _Plan,
+        options: _Options,
+    ) -> None:
+        self._stream = stream
+        self.reservation = reservation
+        self._plan = plan
+        self._meter: StreamMeter = reservation.meter(tranche_tokens=options.tranche_tokens)
+        self.cut: Denied | None = None
+        self._chunks = self._run()
+
+    def __iter__(self) -> Iterator[ChatCompletionChunk]:
+        return self._chunks
+
+    def __next__(self) -> ChatCompletionChunk:
+        return next(self._chunks)
+
+    def __enter__(self) -> BudgetedStream:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stops reading: settles what arrived (or refunds if nothing did)."""
+        self._chunks.close()
+
+    def _run(self) -> Generator[ChatCompletionChunk, None, None]:
+        usage: CompletionUsage | None = None
+        try:
+            with self.reservation:
+                for chunk in self._stream:
+                    if chunk.usage is not None:
+                        usage = chunk.usage
+                    tokens = _delta_tokens(chunk)
+                    if tokens:
+                        try:
+                            self._meter.add(tokens)
+                        except Denied as denial:
+                            self.cut = denial
+                            yield chunk
+                            break
+                    if self._plan.hide_usage_chunk and not chunk.choices:
+                        continue
+                    yield chunk
+                final = _usage_of(usage) if usage is not None else self._meter.usage()
+                self.reservation.settle(final)
+        finally:
+            self._stream.close()
+
+
+class AsyncBudgetedOpenAI:
+    """An ``openai.AsyncOpenAI`` whose chat completions are reserved and
+    settled on an allowance server (see :class:`BudgetedOpenAI`)."""
+
+    def __init__(
+        self,
+        client: openai.AsyncOpenAI,
+        allowance: AsyncClient,
+        *,
+        tenant: str,
+        scopes: Mapping[str, str] | None = None,
+        count_tokens: TokenCounter | None = None,
+        default_max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
+        tranche_tokens: int = DEFAULT_TRANCHE_TOKENS,
+        price_model: bool = True,
+        ttl_ms: int | None = None,
+        labels: Mapping[str, str] | None = None,
+        wait_s: float | None = None,
+    ) -> None:
+        self.openai = client
+        self.allowance = allowance
+        self._options = _Options(
+            tenant,
+            scopes,
+            count_tokens,
+            default_max_output_tokens,
+            tranche_tokens,
+            price_model,
+            ttl_ms,
+            labels,
+            wait_s,
+        )
+        self.chat = _AsyncChat(self)
+
+    async def _reserve(self, plan: _Plan) -> AsyncReservation:
+        o = self._options
+        if o.wait_s is not None:
+            return await self.allowance.reserve_or_wait(
+                o.tenant, plan.amounts, timeout_s=o.wait_s, **plan.options
+            )
+        return await self.allowance.reserve(o.tenant, plan.amounts, **plan.options)
+
+    async def _create(self, kwargs: dict[str, Any]) -> ChatCompletion | AsyncBudgetedStream:
+        plan = _Plan(self._options, kwargs)
+        reservation = await self._reserve(plan)
+        if plan.stream:
+            try:
+                stream = await self.openai.chat.completions.create(**plan.kwargs)
+            except BaseException as e:
+                await reservation.__aexit__(type(e), e, e.__traceback__)
+                raise
+            return AsyncBudgetedStream(
+                cast("openai.AsyncStream[ChatCompletionChunk]", stream),
+                reservation,
+                plan,
+                self._options,
+            )
+        async with reservation:
+            created = await self.openai.chat.completions.create(**plan.kwargs)
+            reply = cast("ChatCompletion", created)
+            if reply.usage is not None:
+                await reservation.settle(_usage_of(reply.usage))
+        return reply
+
+
+class _AsyncChat:
+    def __init__(self, owner: AsyncBudgetedOpenAI) -> None:
+        self.completions = _AsyncCompletions(owner)
+
+
+class _AsyncCompletions:
+    def __init__(self, owner: AsyncBudgetedOpenAI) -> None:
+        self._owner = owner
+
+    async def create(self, **kwargs: Any) -> Any:
+        """``openai.AsyncOpenAI().chat.completions.create``, reserved and
+        settled: a ``ChatCompletion``, or an :class:`AsyncBudgetedStream`."""
+        return await self._owner._create(kwargs)
+
+
+class AsyncBudgetedStream:
+    """An async streamed chat completion whose hold grows as tokens arrive
+    (see :class:`BudgetedStream`)."""
+
+    def __init__(
+        self,
+        stream: openai.AsyncStream[ChatCompletionChunk],
+        reservation: AsyncReservation,
+        plan: _Plan,
+        options: _Options,
+    ) -> None:
+        self._stream = stream
+        self.reservation = reservation
+        self._plan = plan
+        self._meter: AsyncStreamMeter = reservation.meter(tranche_tokens=options.tranche_tokens)
+        self.cut: Denied | None = None
+        self._chunks = self._run()
+
+    def __aiter__(self) -> AsyncIterator[ChatCompletionChunk]:
+        return self._chunks
+
+    async def __anext__(self) -> ChatCompletionChunk:
+        return await self._chunks.__anext__()
+
+    async def __aenter__(self) -> AsyncBudgetedStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stops reading: settles what arrived (or refunds if nothing did)."""
+        await self._chunks.aclose()
+
+    async def _run(self) -> AsyncGenerator[ChatCompletionChunk, None]:
+        usage: CompletionUsage | None = None
+        try:
+            async with self.reservation:
+                async for chunk in self._stream:
+                    if chunk.usage is not None:
+                        usage = chunk.usage
+                    tokens = _delta_tokens(chunk)
+                    if tokens:
+                        try:
+                            await self._meter.add(tokens)
+                        except Denied as denial:
+                            self.cut = denial
+                            yield chunk
+                            break
+                    if self._plan.hide_usage_chunk and not chunk.choices:
+                        continue
+                    yield chunk
+                final = _usage_of(usage) if usage is not None else self._meter.usage()
+                await self.reservation.settle(final)
+        finally:
+            await self._stream.close()

@@ -1,0 +1,240 @@
+"""The in-process wrapper around the official `openai` SDK, against the stub
+upstream (real OpenAI protocol, SSE included) and a real allowance server."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from client_harness import Stub, unique
+
+from allowance import AsyncClient, BudgetExhausted, Client, UnexpectedResponse
+from allowance.openai import (
+    AsyncBudgetedOpenAI,
+    BudgetedOpenAI,
+    estimate_chat_input_tokens,
+    estimate_stream_text_tokens,
+    estimate_text_tokens,
+)
+
+MESSAGES = [
+    {"role": "system", "content": "You summarise documents."},
+    {"role": "user", "content": "Summarise the quarterly report in three bullet points."},
+]
+
+
+@pytest.fixture(scope="module")
+def stub() -> Iterator[Stub]:
+    s = Stub("--output-tokens", "40")
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture
+def upstream(stub: Stub) -> Iterator[openai.OpenAI]:
+    httpx.post(f"{stub.base_url}/_stub/reset").raise_for_status()
+    # The SDK's own retries are off: each test scripts exactly one answer.
+    with openai.OpenAI(base_url=f"{stub.base_url}/v1", api_key="sk-stub", max_retries=0) as c:
+        yield c
+
+
+def stub_requests(stub: Stub) -> list[dict[str, Any]]:
+    reply = httpx.get(f"{stub.base_url}/_stub/requests")
+    reply.raise_for_status()
+    return list(reply.json())
+
+
+def wrapper(upstream: openai.OpenAI, acme: Client, user: str, **kw: Any) -> BudgetedOpenAI:
+    return BudgetedOpenAI(upstream, acme, tenant="acme", scopes={"user": user}, **kw)
+
+
+def test_estimates_need_no_tokenizer() -> None:
+    assert estimate_text_tokens("") == 0
+    assert estimate_text_tokens("abcd") == 1 and estimate_text_tokens("abcde") == 2
+    # 3 priming + per message 3 + role + content (+1 for a name).
+    assert estimate_chat_input_tokens([{"role": "user", "content": "abcdefgh"}]) == 3 + 3 + 1 + 2
+    named = [{"role": "user", "name": "bob", "content": "hi"}]
+    assert estimate_chat_input_tokens(named) == 3 + 3 + 1 + 1 + 1 + 1
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    assert estimate_chat_input_tokens(image) == 3 + 3 + 1 + 765
+    assert estimate_stream_text_tokens(" hello") == 1
+    assert estimate_stream_text_tokens("x" * 40) == 10
+
+
+def test_a_call_is_reserved_then_settled_from_the_real_usage(
+    stub: Stub, upstream: openai.OpenAI, acme: Client
+) -> None:
+    user = unique("u")
+    ai = wrapper(upstream, acme, user, labels={"app": "wrapper-test"})
+    cursor = acme.usage().next_cursor
+    reply = ai.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=25)
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == 25
+    (rec,) = [r for r in acme.usage(since=cursor).records if r.labels.get("app") == "wrapper-test"]
+    assert rec.kind == "settled"
+    assert rec.held["input_tokens"] == estimate_chat_input_tokens(MESSAGES)
+    assert rec.held["output_tokens"] == 25, "the call's bound is held"
+    assert rec.charged["input_tokens"] == reply.usage.prompt_tokens
+    assert rec.charged["output_tokens"] == 25
+    assert rec.model == "gpt-4o" and rec.charged["cost_micros"] > 0
+    lim = acme.status(f"tenant:acme/user:{user}").limit("tokens")
+    assert (lim.used, lim.held) == (reply.usage.total_tokens, 0)
+    assert len(stub_requests(stub)) == 1
+
+
+def test_without_a_bound_the_default_is_held(upstream: openai.OpenAI, acme: Client) -> None:
+    ai = wrapper(upstream, acme, unique("u"), default_max_output_tokens=77, labels={"t": "dflt"})
+    cursor = acme.usage().next_cursor
+    ai.chat.completions.create(model="gpt-4o", messages=MESSAGES)
+    (rec,) = [r for r in acme.usage(since=cursor).records if r.labels.get("t") == "dflt"]
+    assert rec.held["output_tokens"] == 77 and rec.charged["output_tokens"] == 40
+
+
+def test_a_failed_call_is_refunded(stub: Stub, upstream: openai.OpenAI, acme: Client) -> None:
+    user = unique("u")
+    httpx.post(f"{stub.base_url}/_stub/enqueue", json=[{"status": 500}]).raise_for_status()
+    with pytest.raises(openai.InternalServerError):
+        wrapper(upstream, acme, user).chat.completions.create(model="gpt-4o", messages=MESSAGES)
+    st = acme.status(f"tenant:acme/user:{user}")
+    assert (st.limit("tokens").used, st.limit("tokens").held, st.held_reservations) == (0, 0, 0)
+
+
+def test_a_denial_sends_nothing_upstream(
+    stub: Stub, admin: Client, upstream: openai.OpenAI, acme: Client
+) -> None:
+    task = unique("t")
+    admin.set_scope(
+        f"tenant:acme/task:{task}",
+        limits=[{"dimension": "tokens", "capacity": 100, "window": "total"}],
+    )
+    ai = BudgetedOpenAI(upstream, acme, tenant="acme", scopes={"task": task})
+    ai.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=30)
+    with pytest.raises(BudgetExhausted) as e:
+        ai.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=30)
+    assert e.value.scope == f"tenant:acme/task:{task}"
+    assert len(stub_requests(stub)) == 1, "the denied call never reached the provider"
+
+
+def test_a_stream_tops_up_and_settles_from_its_usage_chunk(
+    stub: Stub, upstream: openai.OpenAI, acme: Client
+) -> None:
+    user = unique("u")
+    ai = wrapper(upstream, acme, user, tranche_tokens=8, labels={"t": "stream"})
+    cursor = acme.usage().next_cursor
+    stream = ai.chat.completions.create(
+        model="gpt-4o", messages=MESSAGES, stream=True, max_tokens=30
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.count("hello") == 30
+    assert all(c.choices for c in chunks), "the usage chunk the caller did not ask for is hidden"
+    (sent,) = stub_requests(stub)
+    assert sent["body"]["stream_options"] == {"include_usage": True}
+    (rec,) = [r for r in acme.usage(since=cursor).records if r.labels.get("t") == "stream"]
+    assert rec.kind == "settled"
+    # Tranches of 8 ahead of 30 tokens: the hold reached 32.
+    assert rec.held["output_tokens"] == 32
+    assert rec.charged["output_tokens"] == 30
+    assert stream.reservation.status == "settled"
+
+
+def test_a_stream_that_asked_for_usage_sees_it(upstream: openai.OpenAI, acme: Client) -> None:
+    ai = wrapper(upstream, acme, unique("u"))
+    stream = ai.chat.completions.create(
+        model="gpt-4o",
+        messages=MESSAGES,
+        stream=True,
+        stream_options={"include_usage": True},
+        max_tokens=5,
+    )
+    chunks = list(stream)
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 5
+
+
+def test_a_stream_is_cut_when_a_top_up_is_refused(
+    admin: Client, upstream: openai.OpenAI, acme: Client
+) -> None:
+    task = unique("t")
+    scope = f"tenant:acme/task:{task}"
+    admin.set_scope(
+        scope, limits=[{"dimension": "output_tokens", "capacity": 20, "window": "total"}]
+    )
+    ai = BudgetedOpenAI(upstream, acme, tenant="acme", scopes={"task": task}, tranche_tokens=10)
+    stream = ai.chat.completions.create(
+        model="gpt-4o", messages=MESSAGES, stream=True, max_tokens=40
+    )
+    chunks = list(stream)
+    assert stream.cut is not None and stream.cut.scope == scope
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) == 20
+    lim = acme.status(scope).limit("output_tokens")
+    assert (lim.used, lim.held) == (20, 0), "what arrived is charged, no more"
+
+
+def test_a_broken_stream_settles_what_arrived(
+    stub: Stub, upstream: openai.OpenAI, acme: Client
+) -> None:
+    user = unique("u")
+    httpx.post(f"{stub.base_url}/_stub/enqueue", json=[{"cut_after_tokens": 5}]).raise_for_status()
+    ai = wrapper(upstream, acme, user)
+    stream = ai.chat.completions.create(model="gpt-4o", messages=MESSAGES, stream=True)
+    seen = 0
+    with pytest.raises(openai.APIConnectionError):
+        for chunk in stream:
+            seen += 1 if chunk.choices and chunk.choices[0].delta.content else 0
+    assert seen == 5
+    info = acme.get(stream.reservation.id)
+    assert info.status == "settled", "the provider counted those tokens: never free"
+    assert info.charged is not None and info.charged["output_tokens"] == 5
+
+
+def test_stopping_early_settles_what_arrived(upstream: openai.OpenAI, acme: Client) -> None:
+    ai = wrapper(upstream, acme, unique("u"))
+    with ai.chat.completions.create(model="gpt-4o", messages=MESSAGES, stream=True) as stream:
+        for i, _ in enumerate(stream):
+            if i == 3:
+                break
+    info = acme.get(stream.reservation.id)
+    assert info.status == "settled" and info.charged is not None
+    assert 1 <= info.charged["output_tokens"] <= 4
+
+
+async def test_async_wrapper(stub: Stub, aacme: AsyncClient, acme: Client) -> None:
+    user = unique("u")
+    async with (
+        httpx.AsyncClient(base_url=stub.base_url) as control,
+        openai.AsyncOpenAI(
+            base_url=f"{stub.base_url}/v1", api_key="sk-stub", max_retries=0
+        ) as upstream,
+    ):
+        (await control.post("/_stub/reset")).raise_for_status()
+        ai = AsyncBudgetedOpenAI(
+            upstream, aacme, tenant="acme", scopes={"user": user}, tranche_tokens=16
+        )
+        reply = await ai.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=12)
+        assert reply.usage.completion_tokens == 12
+        stream = await ai.chat.completions.create(model="gpt-4o", messages=MESSAGES, stream=True)
+        texts = [c.choices[0].delta.content async for c in stream if c.choices]
+        assert sum(1 for t in texts if t) == 40
+        assert stream.reservation.held["output_tokens"] == 48
+        (await control.post("/_stub/enqueue", json=[{"status": 500}])).raise_for_status()
+        with pytest.raises(openai.InternalServerError):
+            await ai.chat.completions.create(model="gpt-4o", messages=MESSAGES)
+    lim = acme.status(f"tenant:acme/user:{user}").limit("tokens")
+    assert lim.held == 0
+    assert lim.used == reply.usage.total_tokens + 40 + reply.usage.prompt_tokens
+
+
+def test_an_answer_that_is_not_allowance_is_an_unexpected_response(stub: Stub) -> None:
+    # Pointed at the wrong server (here the stub, speaking OpenAI's shapes).
+    with Client(stub.base_url, "t") as wrong, pytest.raises(UnexpectedResponse) as e:
+        wrong.reserve("acme", {"tokens": 1})
+    err = e.value
+    assert err.status_code == 404
+    assert err.type == "invalid_request_error", "the foreign type is kept"
+    assert "Invalid URL" in err.message
