@@ -17,3 +17,6 @@ if [ -x scripts/shuttle.sh ]; then
   echo "== shuttle: model check of the shared ledger's locking protocol"
   scripts/shuttle.sh
 fi
+
+echo "== Python: the client (clients/python) and the gateway's SDK tests (tests/python)"
+scripts/test-python.sh

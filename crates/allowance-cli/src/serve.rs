@@ -164,7 +164,20 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         // answers: the bound on a store call leaves room for both.
         store_timeout = store_timeout * 2 + FAIL_OPEN_SLACK;
     }
+    let gateway = match &config.gateway {
+        Some(g) => {
+            let gw = allowance_server::gateway::Gateway::new(g).map_err(|e| anyhow::anyhow!(e))?;
+            tracing::info!(
+                upstreams = g.upstreams.len(),
+                keys = g.keys.len(),
+                "gateway: OpenAI- and Anthropic-compatible routes on /v1/chat/completions, /v1/responses, /v1/embeddings, /v1/models and /v1/messages"
+            );
+            Some(Arc::new(gw))
+        }
+        None => None,
+    };
     let options = Options {
+        gateway,
         store_timeout,
         max_wait_ms: config.queue.max_wait_ms,
         queue_limits: allowance_server::QueueLimits {

@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use allowance_core::{
-    Catalog, MAX_AMOUNT, MAX_SCOPES_LIMIT, ModelPrice, Plan, Settings, TENANT_KIND,
-    parse_price_micros, valid_id, valid_kind,
+    Catalog, Dimension, Limit, MAX_AMOUNT, MAX_SCOPES_LIMIT, ModelPrice, Override, OverrunPolicy,
+    Plan, ScopeKey, Settings, TENANT_KIND, Window, parse_price_micros, valid_id, valid_kind,
 };
 use toml::de::{DeTable, DeValue};
 
@@ -51,6 +51,14 @@ pub const DEFAULT_CURRENCY: &str = "USD";
 pub const DEFAULT_MAX_OUTPUT_TOKENS: u64 = 4096;
 /// Default retries of an upstream 429 or 5xx (what the OpenAI SDKs do).
 pub const DEFAULT_MAX_RETRIES: u32 = 2;
+/// The kind of the gateway's shared upstream scopes (`upstream:<name>`).
+pub const UPSTREAM_KIND: &str = "upstream";
+/// The internal tenant the gateway's upstream reservations belong to: a
+/// call's own tenant holds the estimate (refunded when the call fails),
+/// while each upstream attempt is a reservation of this tenant on
+/// `upstream:<name>` (kept: the provider counted it). It has no limits of
+/// its own, and no gateway key may name it.
+pub const GATEWAY_TENANT: &str = "~gateway";
 
 const TOP_KEYS: &[&str] = &[
     "currency",
@@ -129,6 +137,9 @@ pub(crate) fn parse_text(text: &str, source: &str) -> Result<Config, ConfigError
     read_models(&mut doc, &root, &mut catalog);
     let tokens = read_tokens(&mut doc, &root);
     let gateway = read_gateway(&mut doc, &root, &catalog, &kinds_written, &tokens);
+    if let Some(g) = &gateway {
+        install_upstreams(&mut doc, &root, &mut catalog, g);
+    }
 
     if !doc.problems.is_empty() {
         return Err(finish(doc, source));
@@ -1012,6 +1023,73 @@ fn read_gateway(
     })
 }
 
+/// Makes the gateway's upstream limits ledger limits: the kind `upstream`
+/// (shared; configured by the file or added here), each upstream's scope
+/// given its own limits (requests, input and output tokens per minute as
+/// token buckets, concurrency as a gauge), and the internal
+/// [`GATEWAY_TENANT`] without limits.
+fn install_upstreams(doc: &mut Doc, root: &Table, catalog: &mut Catalog, g: &GatewaySettings) {
+    match catalog.kind(UPSTREAM_KIND) {
+        Some(k) if !k.shared => {
+            let offset = root.get("kinds").map_or(root.offset, |i| i.offset);
+            doc.error(
+                offset,
+                "kinds.upstream.shared",
+                "the kind `upstream` holds the gateway's shared upstream scopes: it must be `shared = true`",
+            );
+            return;
+        }
+        Some(_) => {}
+        None => {
+            if let Err(e) = catalog.set_kind(UPSTREAM_KIND, None, true) {
+                doc.error(root.offset, &e.field, e.message);
+                return;
+            }
+        }
+    }
+    let minute = Window::Bucket { period_ms: 60_000 };
+    for u in &g.upstreams {
+        let mut limits = Vec::new();
+        for (dimension, capacity) in [
+            (Dimension::REQUESTS, u.requests_per_minute),
+            (Dimension::INPUT_TOKENS, u.input_tokens_per_minute),
+            (Dimension::OUTPUT_TOKENS, u.output_tokens_per_minute),
+        ] {
+            if let Some(c) = capacity
+                && let Ok(l) = Limit::new(dimension, c, minute.clone())
+            {
+                limits.push(l);
+            }
+        }
+        if let Some(c) = u.max_concurrent
+            && let Ok(l) = Limit::new(Dimension::CONCURRENT, c, Window::Concurrent)
+        {
+            limits.push(l);
+        }
+        let plan = Plan::new(
+            &format!("upstream-{}", u.name),
+            limits,
+            OverrunPolicy::ChargeActual,
+        );
+        let scope = ScopeKey::new(
+            GATEWAY_TENANT,
+            UPSTREAM_KIND,
+            &u.name,
+            true,
+            "gateway.upstreams.name",
+        );
+        if let (Ok(plan), Ok(scope)) = (plan, scope) {
+            let _ = catalog.set_override(scope, Override::Limits(plan));
+        }
+    }
+    if let (Ok(plan), Ok(scope)) = (
+        Plan::new("gateway-internal", Vec::new(), OverrunPolicy::ChargeActual),
+        ScopeKey::tenant(GATEWAY_TENANT),
+    ) {
+        let _ = catalog.set_override(scope, Override::Limits(plan));
+    }
+}
+
 fn read_upstreams(doc: &mut Doc, gateway: &Table) -> Vec<UpstreamSettings> {
     let mut out: Vec<UpstreamSettings> = Vec::new();
     let Some(item) = gateway.get("upstreams") else {
@@ -1230,7 +1308,18 @@ fn read_gateway_keys(
             "tenant",
             "the tenant the key's calls count against",
         )
-        .and_then(|i| id(doc, &i));
+        .and_then(|i| {
+            let t = id(doc, &i)?;
+            if t == GATEWAY_TENANT {
+                doc.error(
+                    i.offset,
+                    &i.path,
+                    format!("{GATEWAY_TENANT:?} is the gateway's internal tenant (its upstream attempts)"),
+                );
+                return Err(Bad);
+            }
+            Ok(t)
+        });
         let scope_id = |doc: &mut Doc, kind: &str| -> Read<String> {
             let Some(i) = t.get(kind) else {
                 return Ok(None);

@@ -250,11 +250,13 @@ pub(crate) async fn scope_put(
                     limits,
                     ..PlanSpec::default()
                 };
-                let name = format!("override:{key}");
+                // Named for what it is, not for the scope: a scope's name
+                // can be longer than a plan name may be.
+                let name = "override";
                 apply_with_dimensions(
                     &state,
                     &spec.limits,
-                    |c| plan_from_spec(&name, &spec, c, ""),
+                    |c| plan_from_spec(name, &spec, c, ""),
                     |p: Arc<Plan>| CatalogChange::SetOverride(key.clone(), Override::Limits(p)),
                 )
                 .await?;

@@ -23,6 +23,7 @@ pub mod auth;
 mod clock;
 pub mod error;
 pub mod extract;
+pub mod gateway;
 pub mod headers;
 pub mod metrics;
 mod openapi;
@@ -62,6 +63,9 @@ pub struct Options {
     pub sweep_interval: Duration,
     /// `[queue] max_waiters_per_tenant` and `max_waiters`.
     pub queue_limits: QueueLimits,
+    /// `[gateway]`, resolved: when set, the server also answers the
+    /// OpenAI- and Anthropic-compatible routes.
+    pub gateway: Option<Arc<gateway::Gateway>>,
 }
 
 impl Default for Options {
@@ -72,6 +76,7 @@ impl Default for Options {
             max_wait_ms: 60_000,
             sweep_interval: Duration::from_millis(250),
             queue_limits: QueueLimits::default(),
+            gateway: None,
         }
     }
 }
@@ -146,6 +151,11 @@ impl AppState {
         self.inner.clock.now()
     }
 
+    /// The gateway, when configured.
+    pub(crate) fn gateway(&self) -> Option<&gateway::Gateway> {
+        self.inner.options.gateway.as_deref()
+    }
+
     /// The admission queue (`wait_ms`).
     pub fn queue(&self) -> &Arc<AdmissionQueue> {
         &self.inner.queue
@@ -177,7 +187,8 @@ pub fn app(state: AppState) -> Router {
     // A reserve may wait in the queue for up to `max_wait_ms` on top.
     let timeout =
         state.options().request_timeout + Duration::from_millis(state.options().max_wait_ms);
-    routes::router()
+    let with_gateway = state.gateway().is_some();
+    let router = routes::router()
         .merge(admin::router())
         .merge(openapi::router())
         .fallback(|| async { ApiError::no_route() })
@@ -192,8 +203,15 @@ pub fn app(state: AppState) -> Router {
                     .into_response(),
                 }
             },
-        ))
-        .with_state(state)
+        ));
+    // Gateway calls last as long as the provider generates: outside the
+    // request timeout (they bound their upstream time themselves).
+    let router = if with_gateway {
+        router.merge(gateway::router())
+    } else {
+        router
+    };
+    router.with_state(state)
 }
 
 /// Expires abandoned holds every `interval` (expiry is also observed

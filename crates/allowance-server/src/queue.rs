@@ -172,15 +172,18 @@ impl AdmissionQueue {
     }
 
     /// Queues a waiter refused with `denial`; its outcome comes on `tx`.
+    /// It is queued fairly as `fair_tenant`'s (the reservation's own
+    /// tenant unless the gateway waits on an upstream for a caller).
     pub(crate) fn push(
         &self,
         req: Arc<ReserveRequest>,
+        fair_tenant: Option<Arc<str>>,
         weight: u32,
         priority: i32,
         denial: Box<Denial>,
         tx: oneshot::Sender<Outcome>,
     ) -> Result<Ticket, QueueFull> {
-        let tenant: Arc<str> = Arc::from(req.scopes.tenant_name());
+        let tenant: Arc<str> = fair_tenant.unwrap_or_else(|| Arc::from(req.scopes.tenant_name()));
         let mut st = self.state.lock();
         let tenant_depth = st.tenants.get(&tenant).map_or(0, |t| t.order.len());
         if st.waiters.len() >= self.limits.total || tenant_depth >= self.limits.per_tenant {

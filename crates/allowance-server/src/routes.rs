@@ -162,7 +162,7 @@ pub(crate) async fn reserve(
         };
         let priority = body.priority.unwrap_or(0);
         let req = reserve_request(body, &catalog, state.options().max_wait_ms)?;
-        let granted = match admit(&state, &catalog, &req, wait_ms, priority).await? {
+        let granted = match admit(&state, &catalog, &req, wait_ms, priority, None).await? {
             Ok(g) => g,
             Err(e) => {
                 if let StoreError::Rejected(ReserveError::Denied(d)) = &e {
@@ -429,7 +429,10 @@ pub(crate) async fn healthz() -> &'static str {
 pub(crate) async fn readyz(State(state): State<AppState>) -> Response {
     crate::respond(
         async {
-            state.catalog().await?;
+            // A read that reaches the store itself (a Redis store answers
+            // its catalog from memory, so that would say nothing).
+            let probe = ScopeKey::tenant("~readyz").map_err(ApiError::from)?;
+            state.call(state.store().status(&probe)).await??;
             Ok::<_, ApiError>("ready\n")
         }
         .await,
@@ -456,12 +459,16 @@ pub(crate) async fn metrics_text(State(state): State<AppState>) -> Response {
 /// blocked on its scopes (else refused with that waiter's denial, so it
 /// never takes room a waiter could use); refused for a retryable reason
 /// with `wait_ms > 0`, it waits for room (see `queue.rs`).
-async fn admit(
+///
+/// `fair_for` queues the waiter as another tenant's for fairness (the
+/// gateway waits on an upstream's scope on behalf of its caller).
+pub(crate) async fn admit(
     state: &AppState,
     catalog: &Catalog,
     req: &ReserveRequest,
     wait_ms: u64,
     priority: i32,
+    fair_for: Option<&str>,
 ) -> Result<Result<Granted, StoreError<ReserveError>>, ApiError> {
     let queue = state.queue().clone();
     // A request with an idempotency key goes to the store first: a retry
@@ -484,10 +491,23 @@ async fn admit(
         }
         other => return Ok(other),
     };
-    let weight = catalog.plan_for(req.scopes.tenant()).queue_weight();
+    let (fair_tenant, weight) = match fair_for.map(ScopeKey::tenant) {
+        Some(Ok(t)) => (
+            Some(Arc::from(t.tenant_name().unwrap_or_default())),
+            catalog.plan_for(&t).queue_weight(),
+        ),
+        _ => (None, catalog.plan_for(req.scopes.tenant()).queue_weight()),
+    };
     let (tx, rx) = tokio::sync::oneshot::channel();
     let started = tokio::time::Instant::now();
-    let ticket = match queue.push(Arc::new(req.clone()), weight, priority, denial, tx) {
+    let ticket = match queue.push(
+        Arc::new(req.clone()),
+        fair_tenant,
+        weight,
+        priority,
+        denial,
+        tx,
+    ) {
         Ok(t) => t,
         Err(crate::queue::QueueFull(d)) => {
             ::metrics::counter!("allowance_queue_full_total").increment(1);

@@ -1,0 +1,793 @@
+//! One gateway call, from the client's bytes to the answer: authenticate,
+//! estimate, reserve, schedule on the upstream, forward (retrying 429s and
+//! 5xx with the same hold), settle or refund.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use allowance_config::{DEFAULT_MAX_OUTPUT_TOKENS, GATEWAY_TENANT, GatewayKey, UPSTREAM_KIND};
+use allowance_core::{
+    Amounts, Catalog, Dimension, Granted, ReservationId, ReserveError, ReserveRequest, StoreError,
+    Usage,
+};
+use allowance_estimate::{Api, Estimate, Tokenizer};
+use axum::body::Body;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::response::Response;
+use bytes::Bytes;
+use serde_json::Value;
+use tokio::time::Instant;
+
+use super::answer::{Flavor, GatewayError, insert, ratelimit_headers};
+use super::upstream::{BACKOFF_MAX, MAX_RETRY_WAIT, Permit, Upstream};
+use super::{Gateway, stream};
+use crate::AppState;
+use crate::routes::admit;
+
+/// Bound on opening a connection to an upstream.
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Bound on a non-streaming answer, and on the silence between two events
+/// of a stream: generations are long, a dead upstream must still end.
+pub(crate) const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(600);
+/// Bodies past this size are tokenized off the async workers (a 32K-token
+/// prompt takes milliseconds).
+const TOKENIZE_INLINE_BYTES: usize = 64 * 1024;
+/// Backoff between retries of a 5xx or a refused connection (per call,
+/// doubled per attempt, jittered).
+const SERVER_ERROR_BACKOFF: Duration = Duration::from_millis(250);
+
+/// Client-supplied scope headers: `X-Allowance-<Kind>`.
+const SCOPE_HEADER_PREFIX: &str = "x-allowance-";
+
+/// What a call needs once its request is understood.
+pub(crate) struct Prepared {
+    pub api: Api,
+    pub flavor: Flavor,
+    pub upstream: Arc<Upstream>,
+    pub http: reqwest::Client,
+    pub catalog: Arc<Catalog>,
+    pub tenant: String,
+    pub tenant_req: ReserveRequest,
+    pub model: String,
+    pub tokenizer: Tokenizer,
+    pub estimate: Estimate,
+    /// Output tokens the whole call may produce (the request's bound or the
+    /// model's).
+    pub output_bound: u64,
+    /// Output tokens reserved at first (all of them, or a stream's tranche).
+    pub output_reserved: u64,
+    pub tranche_tokens: u64,
+    /// The body to send (rewritten when `include_usage` was injected).
+    pub body: Bytes,
+    /// Whether the gateway added `stream_options.include_usage`.
+    pub injected_usage: bool,
+    /// The path and query as received (`/v1/chat/completions?x=1`).
+    pub path: String,
+    /// Headers passed upstream as received (`anthropic-version`, …).
+    pub passed: HeaderMap,
+    pub started: Instant,
+}
+
+/// The route handler's body: everything after parsing runs in its own
+/// task, so a client that goes away mid-call does not cut it half-way (the
+/// call still settles what the provider produced).
+pub(crate) async fn handle(state: AppState, api: Api, headers: HeaderMap, body: Body) -> Response {
+    let flavor = match api {
+        Api::AnthropicMessages => Flavor::Anthropic,
+        _ => Flavor::OpenAi,
+    };
+    let started = Instant::now();
+    let prepared = match prepare(&state, api, flavor, &headers, body, started).await {
+        Ok(p) => p,
+        Err(e) => {
+            count_call(api, "invalid");
+            return e.respond(flavor, HeaderMap::new());
+        }
+    };
+    match tokio::spawn(run(state, prepared)).await {
+        Ok(r) => r,
+        Err(_) => GatewayError::unavailable("the call failed inside the gateway")
+            .respond(flavor, HeaderMap::new()),
+    }
+}
+
+fn api_name(api: Api) -> &'static str {
+    match api {
+        Api::ChatCompletions => "chat_completions",
+        Api::Responses => "responses",
+        Api::Embeddings => "embeddings",
+        Api::AnthropicMessages => "messages",
+    }
+}
+
+pub(crate) fn count_call(api: Api, outcome: &'static str) {
+    ::metrics::counter!("allowance_gateway_calls_total", "api" => api_name(api), "outcome" => outcome)
+        .increment(1);
+}
+
+/// Everything that can refuse a call before anything is held.
+async fn prepare(
+    state: &AppState,
+    api: Api,
+    flavor: Flavor,
+    headers: &HeaderMap,
+    body: Body,
+    started: Instant,
+) -> Result<Prepared, GatewayError> {
+    let gw: &Gateway = state
+        .gateway()
+        .ok_or_else(|| GatewayError::unavailable("the gateway is not configured"))?;
+    let key = gw.authenticate(headers)?;
+    let bytes = axum::body::to_bytes(body, gw.max_body_bytes)
+        .await
+        .map_err(|_| GatewayError::too_large(gw.max_body_bytes))?;
+    let mut json: Value = serde_json::from_slice(&bytes)
+        .map_err(|e| GatewayError::invalid(None, format!("the body is not valid JSON: {e}")))?;
+    let model = allowance_estimate::model_of(&json)
+        .map_err(|e| GatewayError::invalid(Some(e.field), e.message))?
+        .to_string();
+    let upstream = gw.route(&model).cloned().ok_or_else(|| {
+        GatewayError::invalid(
+            Some("model".into()),
+            format!("model {model:?} is not served by this gateway (GET /v1/models lists those that are)"),
+        )
+    })?;
+    let catalog = state
+        .call(state.store().catalog())
+        .await
+        .map_err(|_| GatewayError::unavailable("the store did not answer in time"))?
+        .map_err(|e| GatewayError::unavailable(format!("the store is unavailable: {e}")))?;
+    let price = catalog.model(&model);
+    let tokenizer = price
+        .and_then(|p| Tokenizer::from_name(&p.tokenizer))
+        .unwrap_or(Tokenizer::O200kBase);
+    let estimate = if bytes.len() > TOKENIZE_INLINE_BYTES {
+        let body = json.clone();
+        tokio::task::spawn_blocking(move || allowance_estimate::estimate(api, &body, tokenizer))
+            .await
+            .map_err(|_| GatewayError::unavailable("the estimate failed"))?
+    } else {
+        allowance_estimate::estimate(api, &json, tokenizer)
+    }
+    .map_err(|e| GatewayError::invalid(Some(e.field), e.message))?;
+    let mut output_bound = estimate
+        .output_bound
+        .or(price.map(|p| p.max_output_tokens))
+        .unwrap_or(DEFAULT_MAX_OUTPUT_TOKENS);
+    // Chat's `n` asks for that many choices, each up to the bound.
+    if api == Api::ChatCompletions
+        && let Some(n) = json.get("n").and_then(Value::as_u64)
+        && n > 1
+    {
+        output_bound = output_bound.saturating_mul(n.min(128));
+    }
+    let output_reserved = if estimate.stream {
+        gw.tranche_tokens.min(output_bound)
+    } else {
+        output_bound
+    };
+
+    // Chat streams carry usage only when asked: ask, and hide the answer.
+    let mut injected_usage = false;
+    let mut body = bytes;
+    if api == Api::ChatCompletions
+        && estimate.stream
+        && !estimate.include_usage
+        && let Some(obj) = json.as_object_mut()
+    {
+        {
+            let opts = obj
+                .entry("stream_options")
+                .or_insert_with(|| Value::Object(Default::default()));
+            if !opts.is_object() {
+                *opts = Value::Object(Default::default());
+            }
+            opts["include_usage"] = Value::Bool(true);
+            injected_usage = true;
+            body = Bytes::from(serde_json::to_vec(&json).map_err(|e| {
+                GatewayError::invalid(None, format!("the body cannot be re-encoded: {e}"))
+            })?);
+        }
+    }
+
+    let scopes = scopes_of(key, headers)?;
+    let pairs: Vec<(&str, &str)> = scopes
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let set = catalog.scope_set(&key.tenant, &pairs).map_err(|e| {
+        GatewayError::invalid(Some(e.field.replace("scopes.", "x-allowance-")), e.message)
+    })?;
+    let amounts = Amounts::new()
+        .with(Dimension::INPUT_TOKENS, estimate.input_tokens)
+        .with(Dimension::OUTPUT_TOKENS, output_reserved);
+    let mut tenant_req = ReserveRequest::new(set, amounts);
+    tenant_req.model = Some(Arc::from(model.as_str()));
+    tenant_req.report_remaining = true;
+
+    let mut passed = HeaderMap::new();
+    for (name, value) in headers {
+        let n = name.as_str();
+        if n.starts_with("anthropic-") || n == "openai-beta" || n == "accept" {
+            passed.insert(name.clone(), value.clone());
+        }
+    }
+    Ok(Prepared {
+        api,
+        flavor,
+        upstream,
+        http: gw.http.clone(),
+        catalog,
+        tenant: key.tenant.clone(),
+        tenant_req,
+        model,
+        tokenizer,
+        estimate,
+        output_bound,
+        output_reserved,
+        tranche_tokens: gw.tranche_tokens,
+        body,
+        injected_usage,
+        path: String::new(),
+        passed,
+        started,
+    })
+}
+
+/// The scopes a call counts against besides its tenant: the key's user
+/// and agent, and what the client adds with `X-Allowance-<Kind>` headers
+/// for the kinds its key allows.
+fn scopes_of(key: &GatewayKey, headers: &HeaderMap) -> Result<Vec<(String, String)>, GatewayError> {
+    let mut out: Vec<(String, String)> = Vec::new();
+    if let Some(u) = &key.user {
+        out.push(("user".into(), u.clone()));
+    }
+    if let Some(a) = &key.agent {
+        out.push(("agent".into(), a.clone()));
+    }
+    for (name, value) in headers {
+        let Some(kind) = name.as_str().strip_prefix(SCOPE_HEADER_PREFIX) else {
+            continue;
+        };
+        if !allowance_core::valid_kind(kind) {
+            return Err(GatewayError::invalid(
+                Some(name.as_str().to_string()),
+                "a scope header is X-Allowance-<Kind>, with a kind such as agent or task",
+            ));
+        }
+        let header = format!(
+            "X-Allowance-{}{}",
+            kind[..1].to_ascii_uppercase(),
+            &kind[1..]
+        );
+        if !key.client_scopes.iter().any(|k| k == kind) {
+            return Err(GatewayError::forbidden(format!(
+                "{header}: this gateway key may not add `{kind}` scopes (its client_scopes are {:?})",
+                key.client_scopes
+            )));
+        }
+        let id = value
+            .to_str()
+            .map_err(|_| GatewayError::invalid(Some(header.clone()), "not a valid scope id"))?;
+        if let Some((_, fixed)) = out.iter().find(|(k, _)| k == kind) {
+            if fixed != id {
+                return Err(GatewayError::forbidden(format!(
+                    "{header}: the gateway key fixes {kind} {fixed:?}"
+                )));
+            }
+            continue;
+        }
+        out.push((kind.to_string(), id.to_string()));
+    }
+    Ok(out)
+}
+
+/// How one upstream attempt ended.
+enum Attempt {
+    /// A 2xx answer (its attempt reservation is settled by whoever reads it).
+    Answered(reqwest::Response, Option<ReservationId>, Permit),
+    /// A final non-2xx answer to pass on.
+    Failed(reqwest::Response),
+    /// No answer at all.
+    NoAnswer(String),
+    /// The gateway refused to schedule it (upstream limits).
+    Refused(GatewayError),
+}
+
+/// The call from the reserve on.
+async fn run(state: AppState, mut p: Prepared) -> Response {
+    p.path = match p.api {
+        Api::ChatCompletions => "/v1/chat/completions",
+        Api::Responses => "/v1/responses",
+        Api::Embeddings => "/v1/embeddings",
+        Api::AnthropicMessages => "/v1/messages",
+    }
+    .to_string();
+    let granted = match reserve_tenant(&state, &p).await {
+        Ok(g) => g,
+        Err(e) => {
+            count_call(p.api, "denied");
+            return e.respond(p.flavor, HeaderMap::new());
+        }
+    };
+    // The caller's hold lives as long as the call, however long the
+    // provider takes (a renewed lease, not a long TTL: a crashed gateway's
+    // holds still expire soon).
+    let lease = Lease::start(&state, &p, granted.id);
+    let rate_headers = ratelimit_headers(&granted.remaining, state.now(), p.flavor);
+    let (outcome, retried) = attempts(&state, &p).await;
+    let mut extra = rate_headers;
+    if retried {
+        // The gateway retried already: the SDK must not multiply that.
+        insert(&mut extra, "x-should-retry", "false");
+    }
+    match outcome {
+        Attempt::Answered(resp, attempt_id, permit) => {
+            p.upstream.on_success();
+            // The answer decides: a provider may answer a stream request
+            // whole (an embedding, an error page with a 200).
+            let is_stream = resp
+                .headers()
+                .get(reqwest::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| v.starts_with("text/event-stream"));
+            if is_stream {
+                stream::start(state, p, granted.id, resp, attempt_id, permit, lease, extra)
+            } else {
+                let r = finish_whole(&state, &p, granted.id, resp, attempt_id, extra).await;
+                drop(lease);
+                drop(permit);
+                r
+            }
+        }
+        Attempt::Failed(resp) => {
+            drop(lease);
+            refund(&state, granted.id).await;
+            count_call(p.api, "upstream_error");
+            pass_on(resp, extra).await
+        }
+        Attempt::NoAnswer(why) => {
+            drop(lease);
+            refund(&state, granted.id).await;
+            count_call(p.api, "upstream_unreachable");
+            GatewayError::bad_gateway(why).respond(p.flavor, extra)
+        }
+        Attempt::Refused(e) => {
+            drop(lease);
+            refund(&state, granted.id).await;
+            count_call(p.api, "upstream_limited");
+            e.respond(p.flavor, extra)
+        }
+    }
+}
+
+/// The caller's reservation: answered at once (the SDK retries a 429
+/// after its `retry-after`).
+async fn reserve_tenant(state: &AppState, p: &Prepared) -> Result<Granted, GatewayError> {
+    match admit(state, &p.catalog, &p.tenant_req, 0, 0, None).await {
+        Ok(Ok(g)) => Ok(g),
+        Ok(Err(StoreError::Rejected(ReserveError::Denied(d)))) => {
+            crate::metrics::denial(&d);
+            Err(GatewayError::denied(&d, state.now(), &p.catalog))
+        }
+        Ok(Err(StoreError::Rejected(ReserveError::Invalid(i)))) => {
+            Err(GatewayError::invalid(Some(i.field), i.message))
+        }
+        Ok(Err(e)) => Err(GatewayError::unavailable(format!(
+            "the ledger refused: {e}"
+        ))),
+        Err(_) => Err(GatewayError::unavailable(
+            "the store did not answer in time",
+        )),
+    }
+}
+
+/// Upstream attempts until one answers for good: 429s wait the shared
+/// backoff (the provider's stated time, exactly), 5xx and refused
+/// connections a short per-call backoff; every attempt that reached the
+/// provider is counted on `upstream:<name>`. Returns whether it retried.
+async fn attempts(state: &AppState, p: &Prepared) -> (Attempt, bool) {
+    let up = &p.upstream;
+    let max_retries = up.settings.max_retries;
+    let mut retries = 0u32;
+    let mut waited = Duration::ZERO;
+    let label = up.settings.name.clone();
+    loop {
+        let (permit, attempt_id) = match schedule(state, p).await {
+            Ok(x) => x,
+            Err(e) => return (Attempt::Refused(e), retries > 0),
+        };
+        let sent = Instant::now();
+        let result = send(p).await;
+        ::metrics::histogram!("allowance_gateway_upstream_seconds", "upstream" => label.clone())
+            .record(sent.elapsed().as_secs_f64());
+        let retry_in = match result {
+            Ok(resp) if resp.status().is_success() => {
+                return (Attempt::Answered(resp, attempt_id, permit), retries > 0);
+            }
+            Ok(resp) => {
+                // The provider answered: it counted the attempt.
+                settle_attempt(state, attempt_id, None).await;
+                drop(permit);
+                let status = resp.status();
+                let wait = if status == reqwest::StatusCode::TOO_MANY_REQUESTS {
+                    ::metrics::counter!("allowance_gateway_upstream_429_total", "upstream" => label.clone())
+                        .increment(1);
+                    let wait = up.on_429(resp.headers());
+                    // A provider asking for longer than we would wait is
+                    // answered as is: the client decides.
+                    (wait <= BACKOFF_MAX).then_some(wait)
+                } else if status.is_server_error() {
+                    Some(jittered_backoff(retries))
+                } else {
+                    None
+                };
+                match wait {
+                    Some(w) if retries < max_retries && waited + w <= MAX_RETRY_WAIT => w,
+                    _ => return (Attempt::Failed(resp), retries > 0),
+                }
+            }
+            Err(SendError::Http(e)) if e.is_connect() => {
+                // Nothing reached the provider.
+                if let Some(id) = attempt_id {
+                    refund(state, id).await;
+                }
+                drop(permit);
+                let w = jittered_backoff(retries);
+                if retries < max_retries && waited + w <= MAX_RETRY_WAIT {
+                    w
+                } else {
+                    return (
+                        Attempt::NoAnswer(format!(
+                            "upstream {} is unreachable: {e}",
+                            up.settings.name
+                        )),
+                        retries > 0,
+                    );
+                }
+            }
+            Err(e) => {
+                // Sent, then lost: the provider may have counted it, and
+                // may have run it; not retried (no second generation).
+                settle_attempt(state, attempt_id, None).await;
+                let why = match e {
+                    SendError::Http(e) if !e.is_timeout() => {
+                        format!("upstream {} failed: {e}", up.settings.name)
+                    }
+                    _ => format!("upstream {} did not answer in time", up.settings.name),
+                };
+                return (Attempt::NoAnswer(why), retries > 0);
+            }
+        };
+        retries += 1;
+        waited += retry_in;
+        ::metrics::counter!("allowance_gateway_retries_total", "upstream" => label.clone())
+            .increment(1);
+        // 429s are honoured through the shared backoff in `schedule`;
+        // other failures wait here, for this call only.
+        if up.backoff_until().is_none() {
+            tokio::time::sleep(retry_in).await;
+        }
+    }
+}
+
+fn jittered_backoff(retries: u32) -> Duration {
+    let d = SERVER_ERROR_BACKOFF.saturating_mul(1 << retries.min(6));
+    d / 2 + (d / 2).mul_f64(rand::random::<f64>())
+}
+
+/// Waits for the upstream: its shared backoff, a place in its adaptive
+/// gate, and room on `upstream:<name>` (through the admission queue,
+/// fairly for the caller's tenant). Returns the attempt's reservation.
+async fn schedule(
+    state: &AppState,
+    p: &Prepared,
+) -> Result<(Permit, Option<ReservationId>), GatewayError> {
+    let up = &p.upstream;
+    let max_wait = Duration::from_millis(state.options().max_wait_ms);
+    backoff(p, max_wait).await?;
+    let permit = up.acquire().await;
+    let set = p
+        .catalog
+        .scope_set(
+            GATEWAY_TENANT,
+            &[(UPSTREAM_KIND, up.settings.name.as_str())],
+        )
+        .map_err(|e| GatewayError::unavailable(format!("upstream scope: {e}")))?;
+    let amounts = Amounts::new()
+        .with(Dimension::INPUT_TOKENS, p.estimate.input_tokens)
+        .with(Dimension::OUTPUT_TOKENS, p.output_reserved);
+    let req = ReserveRequest::new(set, amounts);
+    let max_wait_ms = state.options().max_wait_ms;
+    let left_ms = max_wait_ms.saturating_sub(p.started.elapsed().as_millis() as u64);
+    let id = match admit(state, &p.catalog, &req, left_ms, 0, Some(&p.tenant)).await {
+        Ok(Ok(g)) => g.id,
+        Ok(Err(StoreError::Rejected(ReserveError::Denied(d)))) => {
+            return Err(GatewayError::denied(&d, state.now(), &p.catalog));
+        }
+        Ok(Err(e)) => return Err(GatewayError::unavailable(format!("upstream scope: {e}"))),
+        Err(_) => {
+            return Err(GatewayError::unavailable(
+                "the store did not answer in time",
+            ));
+        }
+    };
+    // A 429 may have come in while this call waited.
+    if let Err(e) = backoff(p, max_wait).await {
+        refund(state, id).await;
+        return Err(e);
+    }
+    Ok((permit, Some(id)))
+}
+
+/// Honours the upstream's shared backoff: waits until it ends, or — when
+/// it ends past what this call may wait — answers 429 at once with the
+/// time left (the client retries then; nobody sits on a connection).
+async fn backoff(p: &Prepared, max_wait: Duration) -> Result<(), GatewayError> {
+    let Some(until) = p.upstream.backoff_until() else {
+        return Ok(());
+    };
+    let deadline = p.started + max_wait;
+    if until > deadline {
+        let left = until.saturating_duration_since(Instant::now());
+        return Err(GatewayError::upstream_backoff(
+            &p.upstream.settings.name,
+            left,
+        ));
+    }
+    tokio::time::sleep_until(until).await;
+    Ok(())
+}
+
+/// One request upstream.
+async fn send(p: &Prepared) -> Result<reqwest::Response, SendError> {
+    let up = &p.upstream;
+    let url = format!("{}{}", up.settings.base_url, p.path);
+    let mut rb = p
+        .http
+        .post(url)
+        .header(reqwest::header::CONTENT_TYPE, "application/json")
+        .body(p.body.clone());
+    for (name, value) in &p.passed {
+        rb = rb.header(name.as_str(), value.as_bytes());
+    }
+    if let Some(key) = &up.api_key {
+        rb = match p.flavor {
+            Flavor::Anthropic => rb.header("x-api-key", key.as_str()),
+            Flavor::OpenAi => rb.bearer_auth(key),
+        };
+    }
+    if !p.estimate.stream {
+        // The whole answer; a stream's body is bounded by its silences.
+        rb = rb.timeout(UPSTREAM_TIMEOUT);
+    }
+    match tokio::time::timeout(UPSTREAM_TIMEOUT, rb.send()).await {
+        Ok(r) => r.map_err(SendError::Http),
+        Err(_) => Err(SendError::Timeout),
+    }
+}
+
+/// Why a request got no answer.
+enum SendError {
+    Http(reqwest::Error),
+    /// No answer's headers within [`UPSTREAM_TIMEOUT`].
+    Timeout,
+}
+
+/// Renews a reservation's lease every third of its TTL until dropped.
+pub(crate) struct Lease(tokio::task::JoinHandle<()>);
+
+impl Lease {
+    fn start(state: &AppState, p: &Prepared, id: ReservationId) -> Lease {
+        let ttl_ms = p.catalog.settings().default_ttl_ms;
+        let state = state.clone();
+        Lease(tokio::spawn(async move {
+            let every = Duration::from_millis((ttl_ms / 3).max(1));
+            loop {
+                tokio::time::sleep(every).await;
+                let _ = state
+                    .call(state.store().extend(id, None, Some(ttl_ms)))
+                    .await;
+            }
+        }))
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// A whole (non-stream) answer: read, settle from its usage, pass on.
+async fn finish_whole(
+    state: &AppState,
+    p: &Prepared,
+    tenant_id: ReservationId,
+    resp: reqwest::Response,
+    attempt_id: Option<ReservationId>,
+    extra: HeaderMap,
+) -> Response {
+    let status = resp.status();
+    let headers = resp.headers().clone();
+    let body = match tokio::time::timeout(UPSTREAM_TIMEOUT, resp.bytes()).await {
+        Ok(Ok(b)) => b,
+        _ => {
+            // The provider ran the call but its answer was lost: it is
+            // charged as reserved (never free), and the client told.
+            settle_attempt(state, attempt_id, None).await;
+            settle(state, p, tenant_id, &estimated_usage(p, p.output_reserved)).await;
+            count_call(p.api, "upstream_broken");
+            return GatewayError::bad_gateway("the upstream's answer broke off")
+                .respond(p.flavor, extra);
+        }
+    };
+    let usage = serde_json::from_slice::<Value>(&body)
+        .ok()
+        .and_then(|v| allowance_estimate::usage_from_response(p.api, &v));
+    let usage = match usage {
+        Some(u) => {
+            observe_estimate(p, u.input_tokens);
+            ledger_usage(u)
+        }
+        // No usage to read: charged as reserved, never free.
+        None => estimated_usage(p, p.output_reserved),
+    };
+    settle_attempt(state, attempt_id, Some(&usage)).await;
+    settle(state, p, tenant_id, &usage).await;
+    count_call(p.api, "ok");
+    let mut r = Response::new(Body::from(body));
+    *r.status_mut() = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::OK);
+    copy_headers(&headers, r.headers_mut());
+    r.headers_mut().extend(extra);
+    r
+}
+
+/// An upstream's final error, passed on as it came.
+async fn pass_on(resp: reqwest::Response, extra: HeaderMap) -> Response {
+    let status = resp.status();
+    let headers = resp.headers().clone();
+    let body = tokio::time::timeout(UPSTREAM_TIMEOUT, resp.bytes())
+        .await
+        .ok()
+        .and_then(Result::ok)
+        .unwrap_or_default();
+    let mut r = Response::new(Body::from(body));
+    *r.status_mut() = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    copy_headers(&headers, r.headers_mut());
+    if status == reqwest::StatusCode::TOO_MANY_REQUESTS {
+        // When to come back: the provider's word, passed on.
+        for name in ["retry-after", "retry-after-ms"] {
+            if let Some(v) = headers.get(name)
+                && let Ok(v) = HeaderValue::from_bytes(v.as_bytes())
+            {
+                r.headers_mut().insert(name, v);
+            }
+        }
+    }
+    r.headers_mut().extend(extra);
+    r
+}
+
+/// The provider's headers a client may see: not hop-by-hop ones, not its
+/// own rate-limit state (that of the gateway's shared key; the client's is
+/// the gateway's own headers).
+pub(crate) fn copy_headers(from: &reqwest::header::HeaderMap, to: &mut HeaderMap) {
+    for (name, value) in from {
+        let n = name.as_str();
+        let skip = matches!(
+            n,
+            "connection"
+                | "keep-alive"
+                | "transfer-encoding"
+                | "content-length"
+                | "te"
+                | "trailer"
+                | "upgrade"
+                | "retry-after"
+                | "retry-after-ms"
+        ) || n.starts_with("x-ratelimit-")
+            || n.starts_with("anthropic-ratelimit-");
+        if skip {
+            continue;
+        }
+        if let (Ok(n), Ok(v)) = (
+            HeaderName::from_bytes(name.as_str().as_bytes()),
+            HeaderValue::from_bytes(value.as_bytes()),
+        ) {
+            to.append(n, v);
+        }
+    }
+}
+
+/// The ledger's usage of a provider's usage.
+pub(crate) fn ledger_usage(u: allowance_estimate::Usage) -> Usage {
+    Usage {
+        amounts: Amounts::new()
+            .with(Dimension::INPUT_TOKENS, u.input_tokens)
+            .with(Dimension::OUTPUT_TOKENS, u.output_tokens),
+        cached_input_tokens: u.cached_input_tokens,
+        charges: Vec::new(),
+    }
+}
+
+/// Usage the gateway counted itself: the estimated input and `output`.
+pub(crate) fn estimated_usage(p: &Prepared, output: u64) -> Usage {
+    Usage {
+        amounts: Amounts::new()
+            .with(Dimension::INPUT_TOKENS, p.estimate.input_tokens)
+            .with(Dimension::OUTPUT_TOKENS, output),
+        cached_input_tokens: 0,
+        charges: Vec::new(),
+    }
+}
+
+/// Records how far the input estimate was from the provider's count.
+pub(crate) fn observe_estimate(p: &Prepared, actual_input: u64) {
+    if p.estimate.input_tokens > 0 {
+        let ratio = actual_input as f64 / p.estimate.input_tokens as f64;
+        ::metrics::histogram!("allowance_gateway_input_estimate_ratio", "model" => model_label(p))
+            .record(ratio);
+    }
+}
+
+/// A model name as a metric label: configured names only (bounded).
+fn model_label(p: &Prepared) -> String {
+    if p.catalog.model(&p.model).is_some() || p.upstream.settings.models.contains(&p.model) {
+        p.model.clone()
+    } else {
+        "other".to_string()
+    }
+}
+
+/// Settles the caller's reservation; a store that does not answer is
+/// retried a few times (the usage must not be lost), then logged.
+pub(crate) async fn settle(state: &AppState, p: &Prepared, id: ReservationId, usage: &Usage) {
+    for delay_ms in [0u64, 50, 500, 2000] {
+        tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+        match state.call(state.store().settle(id, usage)).await {
+            Ok(Ok(_)) => {
+                state.queue().kick();
+                return;
+            }
+            Ok(Err(StoreError::Unavailable(_))) | Err(_) => continue,
+            Ok(Err(e)) => {
+                tracing::warn!(reservation = %id, model = %p.model, error = %e, "gateway settle refused");
+                return;
+            }
+        }
+    }
+    tracing::error!(reservation = %id, model = %p.model, "gateway settle failed: the store did not answer; the hold will expire and the usage is not recorded");
+}
+
+/// Settles an attempt's reservation on `upstream:<name>`: its usage, or
+/// the request alone when it brought none.
+pub(crate) async fn settle_attempt(
+    state: &AppState,
+    id: Option<ReservationId>,
+    usage: Option<&Usage>,
+) {
+    let Some(id) = id else { return };
+    let none = Usage::default();
+    let usage = usage.unwrap_or(&none);
+    for delay_ms in [0u64, 50, 500] {
+        tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+        if let Ok(Ok(_)) = state.call(state.store().settle(id, usage)).await {
+            state.queue().kick();
+            return;
+        }
+    }
+    tracing::warn!(reservation = %id, "gateway: an upstream attempt's settle failed; its hold will expire");
+}
+
+/// Refunds a reservation (a failed call costs its caller nothing).
+pub(crate) async fn refund(state: &AppState, id: ReservationId) {
+    for delay_ms in [0u64, 50, 500] {
+        tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+        if let Ok(Ok(_)) = state.call(state.store().refund(id)).await {
+            state.queue().kick();
+            return;
+        }
+    }
+    tracing::warn!(reservation = %id, "gateway refund failed; the hold will expire");
+}

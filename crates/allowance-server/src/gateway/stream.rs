@@ -1,0 +1,314 @@
+//! A streamed call: events pass through as they arrive (never the whole
+//! answer buffered), the hold is topped up a tranche at a time as output
+//! flows, and the call settles from the final usage — or, when it ends
+//! early (a refused top-up, a client gone, an upstream broken), from the
+//! output the gateway saw.
+
+use allowance_core::{Amounts, Dimension, ExtendError, ReservationId, StoreError, Usage};
+use allowance_estimate::{Api, PartialUsage};
+use axum::body::Body;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
+use bytes::Bytes;
+use futures_util::StreamExt;
+use serde_json::Value;
+use tokio::sync::mpsc;
+
+use super::answer::{GatewayError, stream_error_event};
+use super::call::Lease;
+use super::call::{
+    Prepared, UPSTREAM_TIMEOUT, copy_headers, count_call, estimated_usage, ledger_usage,
+    observe_estimate, settle, settle_attempt,
+};
+use super::sse::Splitter;
+use super::upstream::Permit;
+use crate::AppState;
+
+/// Events in flight between the upstream reader and the client's body:
+/// small, so a slow client slows the reader (and the provider) instead of
+/// filling memory.
+const CHANNEL_EVENTS: usize = 32;
+
+/// How a stream ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    /// The provider finished.
+    Complete,
+    /// A top-up was refused: the gateway ended it with an error event.
+    Cut,
+    /// The client went away.
+    ClientGone,
+    /// The provider's stream broke off or went silent.
+    UpstreamBroke,
+}
+
+impl End {
+    fn label(self) -> &'static str {
+        match self {
+            End::Complete => "complete",
+            End::Cut => "budget",
+            End::ClientGone => "client_gone",
+            End::UpstreamBroke => "upstream_broke",
+        }
+    }
+}
+
+/// Answers the client at once with the upstream's status and headers, and
+/// pumps the events in a task of their own.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn start(
+    state: AppState,
+    p: Prepared,
+    tenant_id: ReservationId,
+    resp: reqwest::Response,
+    attempt_id: Option<ReservationId>,
+    permit: Permit,
+    lease: Lease,
+    extra: HeaderMap,
+) -> Response {
+    let status = resp.status();
+    let headers = resp.headers().clone();
+    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(CHANNEL_EVENTS);
+    let body = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    });
+    let mut r = Response::new(Body::from_stream(body));
+    *r.status_mut() = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::OK);
+    copy_headers(&headers, r.headers_mut());
+    r.headers_mut().extend(extra);
+    tokio::spawn(pump(
+        state, p, tenant_id, resp, attempt_id, permit, lease, tx,
+    ));
+    r
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn pump(
+    state: AppState,
+    p: Prepared,
+    tenant_id: ReservationId,
+    resp: reqwest::Response,
+    attempt_id: Option<ReservationId>,
+    permit: Permit,
+    lease: Lease,
+    tx: mpsc::Sender<Result<Bytes, std::io::Error>>,
+) {
+    let mut upstream = resp.bytes_stream();
+    let mut split = Splitter::default();
+    let mut usage = PartialUsage::default();
+    // Every piece of output seen, tokenized once at the end when the
+    // provider's usage never came (tokens span events).
+    let mut output_text = String::new();
+    // A running count, per event, to know when to top up.
+    let mut counted: u64 = 0;
+    let mut held_output = p.output_reserved;
+    let ttl_ms = p.catalog.settings().default_ttl_ms;
+    let mut end = End::Complete;
+    let mut saw_done = false;
+    'read: loop {
+        let next = tokio::select! {
+            n = tokio::time::timeout(UPSTREAM_TIMEOUT, upstream.next()) => n,
+            _ = tx.closed() => { end = End::ClientGone; break 'read; }
+        };
+        let chunk = match next {
+            Ok(Some(Ok(c))) => c,
+            Ok(None) => {
+                if !saw_done {
+                    end = End::UpstreamBroke;
+                }
+                break;
+            }
+            Ok(Some(Err(_))) | Err(_) => {
+                end = End::UpstreamBroke;
+                break;
+            }
+        };
+        split.push(&chunk);
+        if split.overflowed() {
+            end = End::UpstreamBroke;
+            break;
+        }
+        while let Some(ev) = split.next_event() {
+            let mut forward = true;
+            let mut raw = ev.raw.clone();
+            if ev.data == "[DONE]" {
+                saw_done = true;
+            } else if !ev.data.is_empty()
+                && let Ok(v) = serde_json::from_str::<Value>(&ev.data)
+            {
+                let se = allowance_estimate::read_stream_event(p.api, ev.name.as_deref(), &v);
+                if let Some(u) = se.usage {
+                    usage.merge(u);
+                }
+                if se.usage_only && p.injected_usage {
+                    // The client did not ask for it: the gateway did.
+                    forward = false;
+                } else if p.injected_usage
+                    && let Some(rebuilt) = without_null_usage(&v)
+                {
+                    // Every chunk says `"usage": null` once usage is asked
+                    // for; the client did not ask, so it does not see it.
+                    raw = rebuilt;
+                }
+                for piece in se.text_delta.iter() {
+                    counted += p.tokenizer.count(piece);
+                    output_text.push_str(piece);
+                }
+                if se.done {
+                    saw_done = true;
+                }
+            }
+            if forward && tx.send(Ok(raw)).await.is_err() {
+                end = End::ClientGone;
+                break 'read;
+            }
+            // Top up before the hold runs out: a quarter of a tranche early,
+            // so the stream rarely waits on the ledger.
+            let early = p.tranche_tokens / 4;
+            if held_output < p.output_bound && counted + early >= held_output {
+                let add = p.tranche_tokens.min(p.output_bound - held_output);
+                let amounts = Amounts::new().with(Dimension::OUTPUT_TOKENS, add);
+                match state
+                    .call(
+                        state
+                            .store()
+                            .extend(tenant_id, Some(&amounts), Some(ttl_ms)),
+                    )
+                    .await
+                {
+                    Ok(Ok(_)) => {
+                        held_output += add;
+                    }
+                    Ok(Err(StoreError::Rejected(ExtendError::Denied(mut d)))) => {
+                        own_hold_blocks(&state, tenant_id, &mut d).await;
+                        crate::metrics::denial(&d);
+                        let e = GatewayError::denied(&d, state.now(), &p.catalog);
+                        let event = stream_error_event(&e, p.flavor, p.api == Api::Responses);
+                        let _ = tx.send(Ok(Bytes::from(event))).await;
+                        end = End::Cut;
+                        break 'read;
+                    }
+                    other => {
+                        // Cannot count what follows: fail closed, cleanly.
+                        let why = match other {
+                            Ok(Err(e)) => e.to_string(),
+                            _ => "the store did not answer in time".to_string(),
+                        };
+                        let e = GatewayError::unavailable(format!(
+                            "the stream's hold could not be topped up: {why}"
+                        ));
+                        let event = stream_error_event(&e, p.flavor, p.api == Api::Responses);
+                        let _ = tx.send(Ok(Bytes::from(event))).await;
+                        end = End::Cut;
+                        break 'read;
+                    }
+                }
+            }
+        }
+    }
+    match end {
+        End::Complete => {
+            let rest = split.rest();
+            if !rest.is_empty() {
+                let _ = tx.send(Ok(rest)).await;
+            }
+        }
+        End::UpstreamBroke => {
+            // The client must not take a truncated answer for a whole one:
+            // an error event it can read, then the body aborted (an
+            // incomplete chunked answer, as the provider's own break).
+            let e = GatewayError::bad_gateway("the upstream's stream broke off");
+            let event = stream_error_event(&e, p.flavor, p.api == Api::Responses);
+            let _ = tx.send(Ok(Bytes::from(event))).await;
+            let _ = tx
+                .send(Err(std::io::Error::other(
+                    "the upstream's stream broke off",
+                )))
+                .await;
+        }
+        End::Cut | End::ClientGone => {}
+    }
+    // Closing the connection tells the provider to stop generating.
+    drop(upstream);
+    drop(tx);
+    drop(permit);
+    drop(lease);
+
+    // The provider's usage is the whole truth only for a stream it
+    // finished: Anthropic's first event already reports an output of 1.
+    let reported = if end == End::Complete {
+        usage.complete()
+    } else {
+        None
+    };
+    let final_usage: Usage = match reported {
+        Some(u) => {
+            observe_estimate(&p, u.input_tokens);
+            ledger_usage(u)
+        }
+        None => {
+            // What was generated, as the gateway saw it.
+            let seen = p.tokenizer.count(&output_text);
+            let output = seen.max(usage.output_tokens.unwrap_or(0));
+            let mut u = estimated_usage(&p, output);
+            if let Some(input) = usage.input_tokens {
+                u.amounts.set(Dimension::INPUT_TOKENS, input);
+                u.cached_input_tokens = usage.cached_input_tokens.unwrap_or(0);
+            }
+            u
+        }
+    };
+    settle_attempt(&state, attempt_id, Some(&final_usage)).await;
+    settle(&state, &p, tenant_id, &final_usage).await;
+    if end != End::Complete {
+        ::metrics::counter!("allowance_gateway_streams_cut_total", "reason" => end.label())
+            .increment(1);
+    }
+    count_call(
+        p.api,
+        match end {
+            End::Complete => "ok",
+            End::Cut => "stream_cut",
+            End::ClientGone => "client_gone",
+            End::UpstreamBroke => "upstream_broken",
+        },
+    );
+}
+
+/// A chat chunk as it would read had usage not been asked for: its
+/// `"usage": null` member gone (`None` when it has none).
+fn without_null_usage(v: &Value) -> Option<Bytes> {
+    let obj = v.as_object()?;
+    if !matches!(obj.get("usage"), Some(Value::Null)) {
+        return None;
+    }
+    let mut obj = obj.clone();
+    obj.remove("usage");
+    let json = serde_json::to_string(&obj).ok()?;
+    Some(Bytes::from(format!("data: {json}\n\n")))
+}
+
+/// A top-up refused because the stream's own hold takes the room left:
+/// waiting cannot help it (the room comes back only when it ends), so it
+/// is told its budget is spent, not to retry. Recognised by the earliest
+/// hold to end on the refusing scope being the stream's own.
+async fn own_hold_blocks(state: &AppState, id: ReservationId, d: &mut allowance_core::Denial) {
+    if d.kind != allowance_core::DenialKind::RateLimited {
+        return;
+    }
+    let Some(retry_ms) = d.retry_after_ms else {
+        return;
+    };
+    let Ok(Ok(Some(own))) = state.call(state.store().get(id)).await else {
+        return;
+    };
+    let own_left_ms = own
+        .expires_at
+        .as_millis()
+        .saturating_sub(state.now().as_millis());
+    // A few ms of slack: the store's instant and ours differ slightly.
+    if retry_ms + 50 >= own_left_ms {
+        d.kind = allowance_core::DenialKind::BudgetExhausted;
+        d.retry_after_ms = None;
+    }
+}
