@@ -331,6 +331,7 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
                 .get(reqwest::header::CONTENT_TYPE)
                 .and_then(|v| v.to_str().ok())
                 .is_some_and(|v| v.starts_with("text/event-stream"));
+            let lease = lease.and(&state, &p, attempt_id);
             if is_stream {
                 stream::start(state, p, granted.id, resp, attempt_id, permit, lease, extra)
             } else {
@@ -574,14 +575,20 @@ enum SendError {
     Timeout,
 }
 
-/// Renews a reservation's lease every third of its TTL until dropped.
-pub(crate) struct Lease(tokio::task::JoinHandle<()>);
+/// Renews reservations' leases every third of their TTL until dropped.
+pub(crate) struct Lease(Vec<tokio::task::JoinHandle<()>>);
 
 impl Lease {
     fn start(state: &AppState, p: &Prepared, id: ReservationId) -> Lease {
+        Lease(Vec::new()).and(state, p, Some(id))
+    }
+
+    /// Renews `id`'s lease too (an upstream attempt's, held as long).
+    fn and(mut self, state: &AppState, p: &Prepared, id: Option<ReservationId>) -> Lease {
+        let Some(id) = id else { return self };
         let ttl_ms = p.catalog.settings().default_ttl_ms;
         let state = state.clone();
-        Lease(tokio::spawn(async move {
+        self.0.push(tokio::spawn(async move {
             let every = Duration::from_millis((ttl_ms / 3).max(1));
             loop {
                 tokio::time::sleep(every).await;
@@ -589,13 +596,16 @@ impl Lease {
                     .call(state.store().extend(id, None, Some(ttl_ms)))
                     .await;
             }
-        }))
+        }));
+        self
     }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        self.0.abort();
+        for task in &self.0 {
+            task.abort();
+        }
     }
 }
 
