@@ -17,6 +17,9 @@
 //! - **fan-out** — the `fanout` scenario (seed 003): sub-tasks started at
 //!   once through the admission queue, judged against the ideal schedule of
 //!   the tenant's plan ([`FanoutReport`]); `scripts/bench-queue.sh` runs it.
+//! - **gateway** — the `gateway` scenario (issue 7): the latency the
+//!   gateway adds over calling its upstream directly ([`gateway`]);
+//!   `scripts/bench-gateway.sh` runs it.
 //!
 //! ```no_run
 //! use allowance_bench::{BenchOptions, Scenario, compare, measure_ceiling, run};
@@ -40,6 +43,7 @@
 mod client;
 mod error;
 mod fanout;
+pub mod gateway;
 mod noop;
 mod options;
 mod progress;
@@ -51,6 +55,7 @@ pub use error::{BenchError, ParseScenarioError};
 pub use fanout::{
     FANOUT_RATIO_TARGET, FanoutPlan, FanoutReport, IdealSchedule, Overhead, ScopeReading,
 };
+pub use gateway::{GatewayBenchOptions, GatewayReport, GatewayTarget, run_gateway};
 pub use noop::{noop_router, serve_noop};
 pub use options::{
     BenchOptions, DEFAULT_SERVER, FanoutOptions, MAX_CONCURRENCY, MAX_DURATION,

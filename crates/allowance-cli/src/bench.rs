@@ -5,10 +5,12 @@ use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use allowance_bench::{BenchOptions, Progress, Report, Scenario};
+use allowance_bench::{BenchOptions, Progress, Report};
 use allowance_core::EmbeddedStore;
 use allowance_server::{AppState, Credentials, Options, RandomIds, SystemClock};
 use anyhow::Context;
+
+mod gateway;
 
 /// `bench`'s flags.
 #[derive(Debug, clap::Args)]
@@ -20,9 +22,10 @@ pub struct BenchArgs {
     #[arg(long)]
     embedded: bool,
     /// pairs (reserve+settle), refund (reserve+refund), contention (one tenant), tenants (many
-    /// tenants), fanout (seed 003: sub-tasks released at once, waiting in the admission queue).
+    /// tenants), fanout (seed 003: sub-tasks released at once, waiting in the admission queue),
+    /// gateway (issue 7: the gateway's latency over its upstream; see --target, --direct).
     #[arg(long, default_value = "pairs")]
-    scenario: Scenario,
+    scenario: gateway::ScenarioArg,
     /// fanout: how many sub-tasks.
     #[arg(long, default_value_t = 120)]
     tasks: usize,
@@ -41,9 +44,9 @@ pub struct BenchArgs {
     /// How long to measure, after a 1 s warm-up (`10s`, `1m`).
     #[arg(long, default_value = "10s")]
     duration: String,
-    /// Connections, each doing its pairs in sequence.
-    #[arg(long, default_value_t = 64)]
-    concurrency: usize,
+    /// Connections, each doing its pairs in sequence (default 64; gateway: 1).
+    #[arg(long)]
+    concurrency: Option<usize>,
     /// API token (admin: the scenarios use tenants named bench-*).
     #[arg(long, env = "ALLOWANCE_TOKEN", hide_env_values = true)]
     token: Option<String>,
@@ -53,6 +56,9 @@ pub struct BenchArgs {
     /// Also measure a no-op ceiling already running (`allowance bench-noop`), and print the ratios.
     #[arg(long, conflicts_with = "ceiling")]
     ceiling_server: Option<String>,
+    // Boxed: its many flags would make every `Command` variant as large.
+    #[command(flatten)]
+    gateway: Box<gateway::GatewayArgs>,
 }
 
 /// Runs the benchmark; exit 1 on a setup error (unreachable server, bad option).
@@ -82,8 +88,14 @@ pub fn run(args: BenchArgs) -> ExitCode {
 async fn bench(args: BenchArgs) -> anyhow::Result<String> {
     let duration_ms = allowance_config::parse_duration_ms(&args.duration)
         .map_err(|e| anyhow::anyhow!("--duration: {e}"))?;
+    let scenario = match args.scenario {
+        gateway::ScenarioArg::Gateway => {
+            return gateway::bench(*args.gateway, args.concurrency).await;
+        }
+        gateway::ScenarioArg::Load(s) => s,
+    };
     let mut opts = BenchOptions::new(args.server.clone());
-    opts.scenario = args.scenario;
+    opts.scenario = scenario;
     opts.duration = std::time::Duration::from_millis(duration_ms);
     let ms = |flag: &str, text: &str| {
         allowance_config::parse_duration_ms(text)
@@ -95,7 +107,7 @@ async fn bench(args: BenchArgs) -> anyhow::Result<String> {
     opts.fanout.wait = ms("wait", &args.wait)?;
     opts.fanout.tenant = args.tenant.clone();
     opts.fanout.overhead_rounds = args.overhead_rounds;
-    opts.concurrency = args.concurrency;
+    opts.concurrency = args.concurrency.unwrap_or(64);
     opts.token = args.token.clone();
     opts.progress = Progress::auto();
     if args.embedded {

@@ -754,7 +754,7 @@ fn model_label(p: &Prepared) -> String {
 /// retried a few times (the usage must not be lost), then logged.
 pub(crate) async fn settle(state: &AppState, p: &Prepared, id: ReservationId, usage: &Usage) {
     for delay_ms in [0u64, 50, 500, 2000] {
-        tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+        pause(delay_ms).await;
         match state.call(state.store().settle(id, usage)).await {
             Ok(Ok(_)) => {
                 state.queue().kick();
@@ -781,7 +781,7 @@ pub(crate) async fn settle_attempt(
     let none = Usage::default();
     let usage = usage.unwrap_or(&none);
     for delay_ms in [0u64, 50, 500] {
-        tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+        pause(delay_ms).await;
         if let Ok(Ok(_)) = state.call(state.store().settle(id, usage)).await {
             state.queue().kick();
             return;
@@ -793,11 +793,19 @@ pub(crate) async fn settle_attempt(
 /// Refunds a reservation (a failed call costs its caller nothing).
 pub(crate) async fn refund(state: &AppState, id: ReservationId) {
     for delay_ms in [0u64, 50, 500] {
-        tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+        pause(delay_ms).await;
         if let Ok(Ok(_)) = state.call(state.store().refund(id)).await {
             state.queue().kick();
             return;
         }
     }
     tracing::warn!(reservation = %id, "gateway refund failed; the hold will expire");
+}
+
+/// Waits before a retry of a store call; the first try does not wait (a
+/// zero sleep still waits for the timer's next 1 ms tick).
+async fn pause(ms: u64) {
+    if ms > 0 {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
 }

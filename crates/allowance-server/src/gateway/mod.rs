@@ -99,9 +99,6 @@ impl Gateway {
             }
             upstreams.push(Arc::new(Upstream::new(u.clone(), api_key)));
         }
-        // reqwest is built without a crypto provider: ring is this
-        // process's (a second install is refused harmlessly).
-        let _ = rustls::crypto::ring::default_provider().install_default();
         // Loading a tokenizer takes ~150 ms: at start, not in a first call.
         allowance_estimate::Tokenizer::O200kBase.warm_up();
         allowance_estimate::Tokenizer::Cl100kBase.warm_up();

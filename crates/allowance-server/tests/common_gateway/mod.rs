@@ -300,7 +300,6 @@ pub fn stub_chat_tokens(body: &Value) -> u64 {
 impl Gw {
     /// Starts a stub and a gateway configured by `setup`.
     pub async fn start(setup: Setup) -> Gw {
-        let _ = rustls::crypto::ring::default_provider().install_default();
         let stub = Stub::spawn("127.0.0.1:0".parse().expect("an address"))
             .await
             .expect("the stub starts");
