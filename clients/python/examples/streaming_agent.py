@@ -10,8 +10,9 @@ Per step:
 1. reserve the prompt's estimate (priced from the *current* context, not a
    fixed average) plus one tranche of output, against the agent's scope;
 2. stream the answer through ``Reservation.stream``, which extends the hold
-   tranche by tranche as tokens arrive, and ends the stream cleanly when a
-   top-up is refused;
+   tranche by tranche as tokens arrive (never past the call's ``max_tokens``),
+   and ends the stream cleanly when a top-up is refused once the tokens
+   seen exceed the hold;
 3. settle from the stream's final usage chunk (``stream_options.include_usage``),
    or from the tokens seen when the stream was cut.
 
@@ -168,7 +169,12 @@ def run(cfg: AgentConfig) -> AgentReport:
                 text: list[str] = []
                 usage: dict[str, int] | None = None
                 with stream:
-                    for chunk in r.stream(stream, chunk_tokens, tranche_tokens=cfg.tranche_tokens):
+                    for chunk in r.stream(
+                        stream,
+                        chunk_tokens,
+                        tranche_tokens=cfg.tranche_tokens,
+                        max_output_tokens=cfg.max_output_tokens,
+                    ):
                         if chunk.usage is not None:
                             usage = {
                                 "input_tokens": chunk.usage.prompt_tokens,

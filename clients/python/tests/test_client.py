@@ -297,6 +297,10 @@ def test_rate_limited_carries_every_field(admin: Client, acme: Client) -> None:
     assert err.headers["retry-after"] == "60"
     assert err.headers["x-budget-scope"] == scope
     assert err.body["dimension"] == "requests"
+    # The server's message starts with its type; the text says it once.
+    assert str(err).startswith("429 rate_limited: ")
+    assert "rate_limited: rate_limited" not in str(err), str(err)
+    assert err.message == err.body["message"], "the server's message is kept as sent"
 
 
 def test_budget_exhausted_is_a_hard_stop(acme: Client) -> None:

@@ -137,8 +137,9 @@ def test_a_stream_tops_up_and_settles_from_its_usage_chunk(
     assert sent["body"]["stream_options"] == {"include_usage": True}
     (rec,) = [r for r in acme.usage(since=cursor).records if r.labels.get("t") == "stream"]
     assert rec.kind == "settled"
-    # Tranches of 8 ahead of 30 tokens: the hold reached 32.
-    assert rec.held["output_tokens"] == 32
+    # Tranches of 8 ahead of 30 tokens, never past the call's bound: the
+    # hold reached 30 (8, 16, 24, then the 6 left to max_tokens).
+    assert rec.held["output_tokens"] == 30
     assert rec.charged["output_tokens"] == 30
     assert stream.reservation.status == "settled"
 
@@ -171,9 +172,13 @@ def test_a_stream_is_cut_when_a_top_up_is_refused(
     )
     chunks = list(stream)
     assert stream.cut is not None and stream.cut.scope == scope
-    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) == 20
+    # Holds of 10, then 20. The top-up asked at the 20th token is refused,
+    # but the hold still covers what arrived: no cut. At the 21st the hold
+    # is exceeded and the refusal cuts; that chunk is still yielded (its
+    # token arrived and is charged), then the stream stops.
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) == 21
     lim = acme.status(scope).limit("output_tokens")
-    assert (lim.used, lim.held) == (20, 0), "what arrived is charged, no more"
+    assert (lim.used, lim.held) == (21, 0), "what arrived is charged, no more"
 
 
 def test_a_broken_stream_settles_what_arrived(
@@ -202,6 +207,44 @@ def test_stopping_early_settles_what_arrived(upstream: openai.OpenAI, acme: Clie
     info = acme.get(stream.reservation.id)
     assert info.status == "settled" and info.charged is not None
     assert 1 <= info.charged["output_tokens"] <= 4
+
+
+def test_a_stream_closed_unread_settles_its_prompt_once(
+    upstream: openai.OpenAI, acme: Client
+) -> None:
+    # The provider already has the prompt: it is charged as estimated, with
+    # no output; closing again changes nothing.
+    user = unique("u")
+    ai = wrapper(upstream, acme, user, labels={"t": "unread"})
+    cursor = acme.usage().next_cursor
+    stream = ai.chat.completions.create(
+        model="gpt-4o", messages=MESSAGES, stream=True, max_tokens=20
+    )
+    stream.close()
+    stream.close()
+    assert list(stream) == []
+    info = acme.get(stream.reservation.id)
+    assert info.status == "settled" and info.charged is not None
+    assert info.charged["input_tokens"] == estimate_chat_input_tokens(MESSAGES)
+    assert info.charged.get("output_tokens", 0) == 0
+    records = [r for r in acme.usage(since=cursor).records if r.labels.get("t") == "unread"]
+    assert [r.kind for r in records] == ["settled"]
+
+
+def test_a_streamed_call_for_n_choices_holds_n_times_its_bound(
+    upstream: openai.OpenAI, acme: Client
+) -> None:
+    # Tranches of 8, max_tokens=5, n=2: the first tranche (8) is within
+    # 2 × 5, and the hold never grows past 10.
+    ai = wrapper(upstream, acme, unique("u"), tranche_tokens=8)
+    stream = ai.chat.completions.create(
+        model="gpt-4o", messages=MESSAGES, stream=True, max_tokens=5, n=2
+    )
+    assert stream.reservation.held["output_tokens"] == 8
+    list(stream)
+    assert stream.cut is None
+    assert stream.reservation.held["output_tokens"] <= 10
+    assert stream.reservation.status == "settled"
 
 
 async def test_async_wrapper(stub: Stub, aacme: AsyncClient, acme: Client) -> None:

@@ -176,12 +176,15 @@ def test_stream_is_cut_cleanly_when_a_top_up_is_refused(admin: Client, acme: Cli
         seen = list(r.stream(words(100), count=lambda _: 1, tranche_tokens=10))
         assert isinstance(r.cut, RateLimited | BudgetExhausted)
         assert r.cut.scope == scope and r.cut.dimension == "output_tokens"
-        # Holds of 10, then 20; the top-up to 30 is refused at the 20th token.
-        assert len(seen) == 20
+        # Holds of 10, then 20; the top-up to 30 is refused at the 20th
+        # token, which the hold still covers (no cut yet), and again at the
+        # 21st, which exceeds it: the cut. The 21st chunk is yielded (its
+        # token arrived), then the stream stops.
+        assert len(seen) == 21
         assert r.held["output_tokens"] == 20
         r.settle({"output_tokens": len(seen)})
     lim = acme.status(scope).limit("output_tokens")
-    assert (lim.used, lim.held) == (20, 0)
+    assert (lim.used, lim.held) == (21, 0)
 
 
 def test_exception_mid_stream_settles_what_arrived(acme: Client) -> None:

@@ -56,8 +56,9 @@ def test_the_agent_streams_tops_up_and_stops_at_its_budget(server: Server, stub:
     assert len(full) >= 2, "some steps completed before the budget ran out"
     for s in full:
         assert s.usage["output_tokens"] == 200
-        # 200 tokens in tranches of 64: the hold grew to 256 as they arrived.
-        assert s.held_output_tokens == 256
+        # 200 tokens in tranches of 64, never past max_tokens: the hold grew
+        # 64, 128, 192, then 200 as they arrived.
+        assert s.held_output_tokens == 200
     inputs = [s.estimated_input_tokens for s in report.steps]
     assert inputs == sorted(inputs) and inputs[-1] > inputs[0], "the context grows every step"
 
@@ -85,8 +86,10 @@ def test_the_agent_streams_tops_up_and_stops_at_its_budget(server: Server, stub:
 
 
 def test_a_refused_top_up_cuts_the_stream_mid_answer(server: Server, stub: Stub) -> None:
-    # Room for the first prompt and one tranche and a half: the second
-    # top-up is refused 64 tokens into the answer.
+    # Room for the first prompt and one tranche and a half: the top-up is
+    # refused 64 tokens into the answer (the hold still covers them), and
+    # again at the 65th, which exceeds the hold: the cut. That token
+    # arrived, so it is shown and settled.
     first_prompt = estimate_chat_input_tokens(streaming_agent.FIRST_MESSAGES)
     cfg = streaming_agent.AgentConfig(
         url=server.base_url,
@@ -102,10 +105,10 @@ def test_a_refused_top_up_cuts_the_stream_mid_answer(server: Server, stub: Stub)
     assert step.from_usage_chunk is False
     assert step.cut_by is not None and step.cut_by.scope == cfg.scope
     assert report.stopped_by is step.cut_by
-    assert step.usage == {"input_tokens": first_prompt, "output_tokens": 64}
+    assert step.usage == {"input_tokens": first_prompt, "output_tokens": 65}
     assert step.held_output_tokens == 64
     tokens = report.status.limit("tokens", "total")
-    assert (tokens.used, tokens.held) == (first_prompt + 64, 0)
+    assert (tokens.used, tokens.held) == (first_prompt + 65, 0)
 
 
 def test_the_agent_command_line(server: Server, stub: Stub) -> None:

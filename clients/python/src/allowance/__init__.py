@@ -12,8 +12,9 @@
 ...     reply = call_model()
 ...     r.settle({"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens})
 
-An exception in the block refunds; leaving it without a settle settles at the
-estimate and warns (:class:`UnsettledReservationWarning`).
+An exception in the block refunds (but a settle that failed inside it is
+sent again, never turned into a refund); leaving it without a settle settles
+at the estimate, then warns (:class:`UnsettledReservationWarning`).
 """
 
 from ._shared import UnsettledReservationWarning

@@ -30,6 +30,7 @@ from ._shared import (
     MeterCore,
     WaitPolicy,
     add_note,
+    caller_exception,
 )
 from .client import DEFAULT_TIMEOUT_S
 from .errors import AllowanceError, ConnectionFailed, Denied
@@ -73,6 +74,9 @@ class AsyncClient:
             timeout=timeout_s,
             transport=transport,
         )
+        # Refunds of holds whose reserve was cancelled in flight: referenced
+        # here until done, or the event loop could drop them half-way.
+        self._background: set[asyncio.Task[Any]] = set()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -81,7 +85,10 @@ class AsyncClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Closes the connection pool."""
+        """Closes the connection pool (after any refund of a hold whose
+        reserve was cancelled in flight)."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
         await self._http.aclose()
 
     async def _send(self, call: _api.Call[T]) -> T:
@@ -90,6 +97,36 @@ class AsyncClient:
         except httpx.TransportError as e:
             raise ConnectionFailed(f"{call.method} {call.path}: {e!r}") from e
         return call.finish(response)
+
+    async def _reserve_once(
+        self, tenant: str, amounts: Mapping[str, int], options: ReserveOptions
+    ) -> AsyncReservation:
+        """One reserve request, safe to cancel: once sent, the server may
+        hold for it whatever happens to the caller, so the request runs to
+        its answer in its own task, and a hold nobody will receive is
+        refunded when it arrives (a replayed one is left to its owner)."""
+        request = asyncio.ensure_future(self._send(_api.reserve(tenant, amounts, options)))
+        try:
+            info = await asyncio.shield(request)
+        except asyncio.CancelledError:
+            request.add_done_callback(self._release_abandoned)
+            raise
+        return AsyncReservation(self, info)
+
+    def _release_abandoned(self, request: asyncio.Future[ReservationInfo]) -> None:
+        if request.cancelled() or request.exception() is not None:
+            return  # nothing was granted (or nobody can know): the TTL is the backstop
+        info = request.result()
+        if info.status != "held" or info.replayed or info.id is None:
+            return
+        refund = request.get_loop().create_task(self.refund(info.id))
+        self._background.add(refund)
+        refund.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a failed refund leaves the hold to its TTL
 
     # Data plane ---------------------------------------------------------
 
@@ -100,8 +137,7 @@ class AsyncClient:
         (see :meth:`allowance.Client.reserve`)."""
 
         async def run() -> AsyncReservation:
-            info = await self._send(_api.reserve(tenant, amounts, options))
-            return AsyncReservation(self, info)
+            return await self._reserve_once(tenant, amounts, options)
 
         return PendingReservation(run)
 
@@ -126,15 +162,14 @@ class AsyncClient:
                 max_backoff_s=max_backoff_s,
                 jitter=jitter,
                 max_queue_ms=max_queue_ms,
-                idempotent="idempotency_key" in options,
+                idempotent=options.get("idempotency_key") is not None,
                 rng=rng or random.Random(),
             )
             while True:
                 attempt = ReserveOptions(**options)
                 attempt["wait_ms"] = policy.wait_ms()
                 try:
-                    info = await self._send(_api.reserve(tenant, amounts, attempt))
-                    return AsyncReservation(self, info)
+                    return await self._reserve_once(tenant, amounts, attempt)
                 except AllowanceError as e:
                     if policy.adapt(e):
                         continue
@@ -239,17 +274,28 @@ class AsyncClient:
 
 class PendingReservation:
     """A reserve in flight: ``await`` it for the :class:`AsyncReservation`,
-    or enter it with ``async with`` to guard the block."""
+    or enter it with ``async with`` to guard the block.
+
+    The reserve is sent once, on the first ``await`` (or ``async with``);
+    awaiting again answers the same reservation. Cancelling the awaiting
+    task while the request is on the wire leaks no hold: a hold granted
+    after the cancellation is refunded."""
 
     def __init__(self, run: Callable[[], Awaitable[AsyncReservation]]) -> None:
         self._run = run
+        self._task: asyncio.Future[AsyncReservation] | None = None
         self._reservation: AsyncReservation | None = None
 
+    async def _result(self) -> AsyncReservation:
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._run())
+        return await self._task
+
     def __await__(self) -> Generator[Any, None, AsyncReservation]:
-        return self._run().__await__()
+        return self._result().__await__()
 
     async def __aenter__(self) -> AsyncReservation:
-        self._reservation = await self._run()
+        self._reservation = await self._result()
         return self._reservation
 
     async def __aexit__(
@@ -264,7 +310,8 @@ class PendingReservation:
 
 class AsyncReservation:
     """A live reservation (see :class:`allowance.Reservation`): in ``async
-    with``, an exception refunds and a forgotten settle charges the estimate."""
+    with``, an exception refunds, a settle that failed (or was cancelled in
+    flight) is sent again, and a forgotten settle charges the estimate."""
 
     def __init__(self, client: AsyncClient, info: ReservationInfo) -> None:
         self._client = client
@@ -303,9 +350,16 @@ class AsyncReservation:
     async def settle(
         self, usage: Mapping[str, int], charges: Sequence[Charge] | None = None
     ) -> ReservationInfo:
-        """Records the actual usage."""
-        self._state.info = await self._client.settle(self.id, usage, charges)
-        return self._state.info
+        """Records the actual usage. If it fails (or is cancelled in
+        flight), leaving the ``async with`` block sends it again."""
+        attempt = self._state.begin_settle(usage, charges)
+        try:
+            info = await self._client.settle(self.id, attempt.usage, attempt.charges)
+        except BaseException as e:
+            attempt.error = e
+            raise
+        self._state.settled(info)
+        return info
 
     async def refund(self) -> ReservationInfo:
         """Releases the hold, recording nothing."""
@@ -325,10 +379,16 @@ class AsyncReservation:
         return self._state.info
 
     def meter(
-        self, *, tranche_tokens: int = DEFAULT_TRANCHE_TOKENS, ttl_ms: int | None = None
+        self,
+        *,
+        tranche_tokens: int = DEFAULT_TRANCHE_TOKENS,
+        ttl_ms: int | None = None,
+        max_output_tokens: int | None = None,
     ) -> AsyncStreamMeter:
         """A meter for a streamed answer (see :class:`AsyncStreamMeter`)."""
-        return AsyncStreamMeter(self, tranche_tokens=tranche_tokens, ttl_ms=ttl_ms)
+        return AsyncStreamMeter(
+            self, tranche_tokens=tranche_tokens, ttl_ms=ttl_ms, max_output_tokens=max_output_tokens
+        )
 
     async def stream(
         self,
@@ -337,10 +397,15 @@ class AsyncReservation:
         *,
         tranche_tokens: int = DEFAULT_TRANCHE_TOKENS,
         ttl_ms: int | None = None,
+        max_output_tokens: int | None = None,
     ) -> AsyncIterator[T]:
         """Yields ``chunks``, topping up the hold as output tokens arrive;
-        stops cleanly when a top-up is refused (:attr:`cut`)."""
-        meter = self.meter(tranche_tokens=tranche_tokens, ttl_ms=ttl_ms)
+        stops cleanly, after yielding the chunk that went past the hold,
+        when a top-up is refused (:attr:`cut`; see
+        :meth:`allowance.Reservation.stream`)."""
+        meter = self.meter(
+            tranche_tokens=tranche_tokens, ttl_ms=ttl_ms, max_output_tokens=max_output_tokens
+        )
         async for chunk in chunks:
             try:
                 await meter.add(count(chunk))
@@ -362,19 +427,24 @@ class AsyncReservation:
         await self._exit(exc, stacklevel=3)
 
     async def _exit(self, exc: BaseException | None, stacklevel: int) -> None:
-        action, usage = self._state.exit_action(failed=exc is not None)
+        plan = self._state.exit_plan(exc)
+        caller = caller_exception(exc)
         try:
-            if action == "refund":
+            if plan.action == "refund":
                 await self.refund()
-            elif action == "settle_observed" and usage is not None:
-                await self.settle(usage)
-            elif action == "settle_estimate" and usage is not None:
-                self._state.warn_unsettled(usage, stacklevel=stacklevel + 1)
-                await self.settle(usage)
-        except AllowanceError as cleanup:
-            if exc is None:
+            elif plan.action == "settle" and plan.usage is not None:
+                await self.settle(plan.usage, plan.charges)
+        except BaseException as cleanup:
+            # Settle first, warn after: with warnings as errors the call is
+            # still charged.
+            if plan.warning is not None:
+                self._state.warn(plan.warning, stacklevel + 1, in_flight=caller or cleanup)
+            if exc is None or not isinstance(cleanup, AllowanceError):
                 raise
-            add_note(exc, action, cleanup)
+            add_note(exc, plan.why, cleanup)
+        else:
+            if plan.warning is not None:
+                self._state.warn(plan.warning, stacklevel + 1, in_flight=caller)
 
 
 class AsyncStreamMeter:
@@ -382,13 +452,19 @@ class AsyncStreamMeter:
     (see :class:`allowance.StreamMeter`)."""
 
     def __init__(
-        self, reservation: AsyncReservation, *, tranche_tokens: int, ttl_ms: int | None
+        self,
+        reservation: AsyncReservation,
+        *,
+        tranche_tokens: int,
+        ttl_ms: int | None,
+        max_output_tokens: int | None = None,
     ) -> None:
         self._reservation = reservation
         self._core = MeterCore(
             held_output_tokens=reservation.held.get("output_tokens", 0),
             tranche_tokens=tranche_tokens,
             ttl_ms=ttl_ms,
+            bound_output_tokens=max_output_tokens,
         )
 
     @property
@@ -398,11 +474,17 @@ class AsyncStreamMeter:
 
     async def add(self, tokens: int) -> None:
         """Records ``tokens`` more output, topping up the hold if needed;
-        raises the denial when a top-up is refused."""
+        raises the denial when a top-up is refused and the tokens seen
+        exceed the hold (see :class:`allowance.StreamMeter`)."""
         extra = self._core.top_up(tokens)
         self._reservation._state.observed_output_tokens = self._core.seen_output_tokens
         if extra:
-            info = await self._reservation.extend({"output_tokens": extra}, self._core.ttl_ms)
+            try:
+                info = await self._reservation.extend({"output_tokens": extra}, self._core.ttl_ms)
+            except Denied:
+                if self._core.over_hold():
+                    raise
+                return
             self._core.extended(info)
 
     def usage(self, input_tokens: int | None = None) -> dict[str, int]:

@@ -18,6 +18,7 @@ from ._shared import (
     MeterCore,
     WaitPolicy,
     add_note,
+    caller_exception,
 )
 from .errors import AllowanceError, ConnectionFailed, Denied
 from .types import (
@@ -116,7 +117,9 @@ class Client:
         ``max_queue_ms``, lowered to the server's ``queue.max_wait_ms`` if that
         is less) so it is admitted the moment room frees; a
         ``rate_limited`` answer is retried after its ``retry_after`` (capped
-        at ``max_backoff_s``, plus up to ``jitter`` × it). With an
+        at ``max_backoff_s``, plus up to ``jitter`` × it, that extra capped
+        at ``max_backoff_s``), never sooner; a ``retry_after`` longer than
+        the time left raises the denial at once. With an
         ``idempotency_key``, a 503 or a broken connection is retried too
         (same key: it cannot hold twice). ``budget_exhausted`` and
         ``exceeds_limit`` raise at once; the last denial raises when time
@@ -127,7 +130,7 @@ class Client:
             max_backoff_s=max_backoff_s,
             jitter=jitter,
             max_queue_ms=max_queue_ms,
-            idempotent="idempotency_key" in options,
+            idempotent=options.get("idempotency_key") is not None,
             rng=rng or random.Random(),
         )
         while True:
@@ -247,8 +250,13 @@ class Reservation:
     - an exception inside the ``with`` block refunds (the call failed), then
       re-raises — unless a streaming meter saw tokens arrive, in which case
       those are settled (the provider counted them);
+    - a settle that failed inside the block (a lost answer, Ctrl-C) is
+      sent again on the way out, never turned into a refund; one refused
+      as invalid settles the estimate instead;
     - leaving the block normally without a settle settles at the estimate
-      and warns :class:`~allowance.UnsettledReservationWarning`.
+      (or what a meter saw, if more) and then warns
+      :class:`~allowance.UnsettledReservationWarning`; so does a generator
+      holding the block that is closed early (``GeneratorExit``).
 
     A replayed reserve (same ``idempotency_key``) of a reservation that
     already ended is left alone: check :attr:`replayed` and :attr:`status`
@@ -292,9 +300,16 @@ class Reservation:
     def settle(
         self, usage: Mapping[str, int], charges: Sequence[Charge] | None = None
     ) -> ReservationInfo:
-        """Records the actual usage (see :meth:`Client.settle`)."""
-        self._state.info = self._client.settle(self.id, usage, charges)
-        return self._state.info
+        """Records the actual usage (see :meth:`Client.settle`). If it
+        fails, leaving the ``with`` block sends it again."""
+        attempt = self._state.begin_settle(usage, charges)
+        try:
+            info = self._client.settle(self.id, attempt.usage, attempt.charges)
+        except BaseException as e:
+            attempt.error = e
+            raise
+        self._state.settled(info)
+        return info
 
     def refund(self) -> ReservationInfo:
         """Releases the hold, recording nothing (see :meth:`Client.refund`)."""
@@ -314,11 +329,18 @@ class Reservation:
         return self._state.info
 
     def meter(
-        self, *, tranche_tokens: int = DEFAULT_TRANCHE_TOKENS, ttl_ms: int | None = None
+        self,
+        *,
+        tranche_tokens: int = DEFAULT_TRANCHE_TOKENS,
+        ttl_ms: int | None = None,
+        max_output_tokens: int | None = None,
     ) -> StreamMeter:
         """A meter for a streamed answer: :meth:`StreamMeter.add` the output
-        tokens as they arrive and the hold grows tranche by tranche."""
-        return StreamMeter(self, tranche_tokens=tranche_tokens, ttl_ms=ttl_ms)
+        tokens as they arrive and the hold grows tranche by tranche, never
+        past ``max_output_tokens`` (the call's own bound, if it has one)."""
+        return StreamMeter(
+            self, tranche_tokens=tranche_tokens, ttl_ms=ttl_ms, max_output_tokens=max_output_tokens
+        )
 
     def stream(
         self,
@@ -327,11 +349,18 @@ class Reservation:
         *,
         tranche_tokens: int = DEFAULT_TRANCHE_TOKENS,
         ttl_ms: int | None = None,
+        max_output_tokens: int | None = None,
     ) -> Iterator[T]:
         """Yields ``chunks``, topping up the hold by ``count(chunk)`` output
-        tokens each; when a top-up is refused the stream stops cleanly and
-        :attr:`cut` holds the denial (like the gateway's streams)."""
-        meter = self.meter(tranche_tokens=tranche_tokens, ttl_ms=ttl_ms)
+        tokens each (never past ``max_output_tokens``). When a top-up is
+        refused once the tokens seen exceed the hold, the stream stops
+        cleanly and :attr:`cut` holds the denial (like the gateway's
+        streams); the chunk that went past the hold is still yielded, as
+        its tokens arrived and are charged. A refusal while the hold still
+        covers what arrived is not a cut."""
+        meter = self.meter(
+            tranche_tokens=tranche_tokens, ttl_ms=ttl_ms, max_output_tokens=max_output_tokens
+        )
         for chunk in chunks:
             try:
                 meter.add(count(chunk))
@@ -350,33 +379,49 @@ class Reservation:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        action, usage = self._state.exit_action(failed=exc is not None)
+        plan = self._state.exit_plan(exc)
+        caller = caller_exception(exc)
         try:
-            if action == "refund":
+            if plan.action == "refund":
                 self.refund()
-            elif action == "settle_observed" and usage is not None:
-                self.settle(usage)
-            elif action == "settle_estimate" and usage is not None:
-                self._state.warn_unsettled(usage, stacklevel=3)
-                self.settle(usage)
-        except AllowanceError as cleanup:
-            if exc is None:
+            elif plan.action == "settle" and plan.usage is not None:
+                self.settle(plan.usage, plan.charges)
+        except BaseException as cleanup:
+            # Settle first, warn after: with warnings as errors the call is
+            # still charged.
+            if plan.warning is not None:
+                self._state.warn(plan.warning, stacklevel=3, in_flight=caller or cleanup)
+            if exc is None or not isinstance(cleanup, AllowanceError):
                 raise
-            add_note(exc, action, cleanup)
+            add_note(exc, plan.why, cleanup)
+        else:
+            if plan.warning is not None:
+                self._state.warn(plan.warning, stacklevel=3, in_flight=caller)
 
 
 class StreamMeter:
     """Counts a streamed answer's output tokens and extends the hold ahead
-    of them, ``tranche_tokens`` at a time (and pushes the TTL with each
-    top-up when ``ttl_ms`` is given). :meth:`add` raises the denial when a
-    top-up is refused: stop reading the stream."""
+    of them, ``tranche_tokens`` at a time, never past ``max_output_tokens``
+    (and pushes the TTL with each top-up when ``ttl_ms`` is given).
+    :meth:`add` raises the denial when a top-up is refused and the tokens
+    seen exceed the hold: stop reading the stream. A refusal while the hold
+    still covers them is no cut (the answer may end within it); the next
+    :meth:`add` asks again."""
 
-    def __init__(self, reservation: Reservation, *, tranche_tokens: int, ttl_ms: int | None):
+    def __init__(
+        self,
+        reservation: Reservation,
+        *,
+        tranche_tokens: int,
+        ttl_ms: int | None,
+        max_output_tokens: int | None = None,
+    ) -> None:
         self._reservation = reservation
         self._core = MeterCore(
             held_output_tokens=reservation.held.get("output_tokens", 0),
             tranche_tokens=tranche_tokens,
             ttl_ms=ttl_ms,
+            bound_output_tokens=max_output_tokens,
         )
 
     @property
@@ -389,7 +434,12 @@ class StreamMeter:
         extra = self._core.top_up(tokens)
         self._reservation._state.observed_output_tokens = self._core.seen_output_tokens
         if extra:
-            info = self._reservation.extend({"output_tokens": extra}, self._core.ttl_ms)
+            try:
+                info = self._reservation.extend({"output_tokens": extra}, self._core.ttl_ms)
+            except Denied:
+                if self._core.over_hold():
+                    raise
+                return
             self._core.extended(info)
 
     def usage(self, input_tokens: int | None = None) -> dict[str, int]:

@@ -73,7 +73,18 @@ class ApiError(AllowanceError):
         self.message = str(error.get("message", ""))
         self.body = error
         self.headers = dict(headers or {})
-        super().__init__(f"{status_code} {self.type}: {self.message}")
+        # The server's message may already start with its type
+        # ("rate_limited: …"); say it once.
+        text = self.message
+        if self.type and text.startswith(f"{self.type}:"):
+            text = text[len(self.type) + 1 :].lstrip()
+        super().__init__(f"{status_code} {self.type}: {text}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The default rebuilds an exception from `args` (the one message),
+        # which is not this constructor's signature: multiprocessing and
+        # concurrent.futures could not hand a denial back to the parent.
+        return (type(self), (self.status_code, dict(self.body), dict(self.headers)), self.__dict__)
 
 
 class InvalidRequest(ApiError):

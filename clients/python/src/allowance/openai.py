@@ -19,11 +19,13 @@ at run time, so input tokens are estimated by
 ``ceil(characters / 4)`` per text, OpenAI's rule of thumb for English), or
 by your own ``count_tokens``. The estimate only sizes the hold; the settle
 records the real ``usage``. The output is held at the call's bound
-(``max_completion_tokens`` / ``max_tokens``, else ``default_max_output_tokens``).
+(``max_completion_tokens`` / ``max_tokens``, else ``default_max_output_tokens``),
+times ``n`` when it asks for several choices.
 
 Streams hold the prompt plus one tranche of output and top it up as
-tokens arrive (a refused top-up ends the stream cleanly, like the
-gateway); ``stream_options.include_usage`` is added so the settle uses the
+tokens arrive, never past the call's bound (a top-up refused once the
+tokens seen exceed the hold ends the stream cleanly, like the gateway);
+``stream_options.include_usage`` is added so the settle uses the
 real usage, and the extra usage chunk is not shown unless you asked for it.
 
 Install with the extra: ``pip install 'allowance[openai]'``.
@@ -107,8 +109,25 @@ def _part_tokens(part: object) -> int:
     return _json_tokens(part)
 
 
+def _as_mapping(message: object) -> Mapping[str, Any]:
+    """A chat message as a mapping: a dict as is, an SDK object (the
+    ``message`` of an earlier reply, a pydantic model) by the fields it
+    has set, as the SDK would send them."""
+    if isinstance(message, Mapping):
+        return message
+    dump = getattr(message, "model_dump", None)
+    if callable(dump):
+        dumped = dump(exclude_unset=True)
+        if isinstance(dumped, Mapping):
+            return dumped
+    raise TypeError(
+        f"messages: each message must be a mapping or an SDK message object, "
+        f"got {type(message).__name__}"
+    )
+
+
 def estimate_chat_input_tokens(
-    messages: Iterable[Mapping[str, Any]], tools: Sequence[Any] | None = None
+    messages: Iterable[Mapping[str, Any] | Any], tools: Sequence[Any] | None = None
 ) -> int:
     """The input tokens of a chat request, without a tokenizer.
 
@@ -116,11 +135,13 @@ def estimate_chat_input_tokens(
     :func:`estimate_text_tokens`, ``content`` parts by their text (an image
     765), anything else by its compact JSON; ``name`` adds 1. The request
     adds 3 for the reply's priming, and the compact JSON of ``tools``.
+    A message may be a dict or an SDK object (a previous reply's
+    ``message``), read by the fields it has set.
     """
     total = REPLY_PRIMING_TOKENS
     for message in messages:
         total += MESSAGE_OVERHEAD_TOKENS
-        for key, value in message.items():
+        for key, value in _as_mapping(message).items():
             if isinstance(value, str):
                 total += estimate_text_tokens(value)
             elif key == "content" and isinstance(value, list):
@@ -171,14 +192,21 @@ class _Plan:
 
     def __init__(self, owner: _Options, kwargs: dict[str, Any]) -> None:
         messages = kwargs.get("messages")
-        if not isinstance(messages, Iterable):
+        if not isinstance(messages, Iterable) or isinstance(messages, (str, bytes, Mapping)):
             raise TypeError("messages: required, a list of chat messages")
         self.kwargs = dict(kwargs)
+        # Read once: an iterator estimated here must still reach the SDK.
+        sent = list(messages)
+        self.kwargs["messages"] = sent
         self.stream = bool(kwargs.get("stream"))
         tools = kwargs.get("tools") or kwargs.get("functions")
-        input_tokens = owner.count_tokens(list(messages), tools)
+        input_tokens = owner.count_tokens([_as_mapping(m) for m in sent], tools)
         bound = kwargs.get("max_completion_tokens") or kwargs.get("max_tokens")
-        output_bound = int(bound) if bound else owner.default_max_output_tokens
+        per_choice = int(bound) if bound else owner.default_max_output_tokens
+        n = kwargs.get("n")
+        choices = int(n) if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+        # `n` choices of up to the bound each, billed together.
+        output_bound = per_choice * choices
         self.output_bound = output_bound
         output_hold = min(owner.tranche_tokens, output_bound) if self.stream else output_bound
         self.amounts = {"input_tokens": input_tokens, "output_tokens": output_hold}
@@ -318,10 +346,14 @@ class BudgetedStream:
     """A streamed chat completion whose hold grows as tokens arrive.
 
     Iterate it as the SDK's stream. It settles when the stream ends (from
-    the final usage chunk, else from the tokens seen), settles what arrived
-    if the stream breaks or you stop early, and refunds if nothing arrived.
-    When a top-up is refused the stream ends cleanly and :attr:`cut` holds
-    the denial.
+    the final usage chunk, else from the tokens seen); if you stop early or
+    close it (even before reading it: the provider already has the
+    prompt), it settles the prompt as estimated plus the output that
+    arrived; if the stream breaks with nothing arrived, it refunds. When a
+    top-up is refused once the tokens seen exceed the hold, the stream ends
+    cleanly after the chunk that went past it (its tokens arrived and are
+    charged) and :attr:`cut` holds the denial. The hold never grows past
+    the call's bound.
     """
 
     def __init__(
@@ -334,8 +366,11 @@ class BudgetedStream:
         self._stream = stream
         self.reservation = reservation
         self._plan = plan
-        self._meter: StreamMeter = reservation.meter(tranche_tokens=options.tranche_tokens)
+        self._meter: StreamMeter = reservation.meter(
+            tranche_tokens=options.tranche_tokens, max_output_tokens=plan.output_bound
+        )
         self.cut: Denied | None = None
+        self._started = False
         self._chunks = self._run()
 
     def __iter__(self) -> Iterator[ChatCompletionChunk]:
@@ -356,27 +391,42 @@ class BudgetedStream:
         self.close()
 
     def close(self) -> None:
-        """Stops reading: settles what arrived (or refunds if nothing did)."""
+        """Stops reading: settles the prompt and what arrived."""
+        started, self._started = self._started, True
         self._chunks.close()
+        if not started:
+            # The generator never ran, so its guard never entered: settle here.
+            try:
+                with self.reservation:
+                    self.reservation.settle(self._meter.usage())
+            finally:
+                self._stream.close()
 
     def _run(self) -> Generator[ChatCompletionChunk, None, None]:
+        self._started = True
         usage: CompletionUsage | None = None
         try:
             with self.reservation:
-                for chunk in self._stream:
-                    if chunk.usage is not None:
-                        usage = chunk.usage
-                    tokens = _delta_tokens(chunk)
-                    if tokens:
-                        try:
-                            self._meter.add(tokens)
-                        except Denied as denial:
-                            self.cut = denial
-                            yield chunk
-                            break
-                    if self._plan.hide_usage_chunk and not chunk.choices:
-                        continue
-                    yield chunk
+                try:
+                    for chunk in self._stream:
+                        if chunk.usage is not None:
+                            usage = chunk.usage
+                        tokens = _delta_tokens(chunk)
+                        if tokens:
+                            try:
+                                self._meter.add(tokens)
+                            except Denied as denial:
+                                self.cut = denial
+                                yield chunk
+                                break
+                        if self._plan.hide_usage_chunk and not chunk.choices:
+                            continue
+                        yield chunk
+                except GeneratorExit:
+                    # The caller stopped reading; the call did not fail.
+                    stopped = _usage_of(usage) if usage is not None else self._meter.usage()
+                    self.reservation.settle(stopped)
+                    raise
                 final = _usage_of(usage) if usage is not None else self._meter.usage()
                 self.reservation.settle(final)
         finally:
@@ -477,8 +527,11 @@ class AsyncBudgetedStream:
         self._stream = stream
         self.reservation = reservation
         self._plan = plan
-        self._meter: AsyncStreamMeter = reservation.meter(tranche_tokens=options.tranche_tokens)
+        self._meter: AsyncStreamMeter = reservation.meter(
+            tranche_tokens=options.tranche_tokens, max_output_tokens=plan.output_bound
+        )
         self.cut: Denied | None = None
+        self._started = False
         self._chunks = self._run()
 
     def __aiter__(self) -> AsyncIterator[ChatCompletionChunk]:
@@ -499,27 +552,42 @@ class AsyncBudgetedStream:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Stops reading: settles what arrived (or refunds if nothing did)."""
+        """Stops reading: settles the prompt and what arrived."""
+        started, self._started = self._started, True
         await self._chunks.aclose()
+        if not started:
+            # The generator never ran, so its guard never entered: settle here.
+            try:
+                async with self.reservation:
+                    await self.reservation.settle(self._meter.usage())
+            finally:
+                await self._stream.close()
 
     async def _run(self) -> AsyncGenerator[ChatCompletionChunk, None]:
+        self._started = True
         usage: CompletionUsage | None = None
         try:
             async with self.reservation:
-                async for chunk in self._stream:
-                    if chunk.usage is not None:
-                        usage = chunk.usage
-                    tokens = _delta_tokens(chunk)
-                    if tokens:
-                        try:
-                            await self._meter.add(tokens)
-                        except Denied as denial:
-                            self.cut = denial
-                            yield chunk
-                            break
-                    if self._plan.hide_usage_chunk and not chunk.choices:
-                        continue
-                    yield chunk
+                try:
+                    async for chunk in self._stream:
+                        if chunk.usage is not None:
+                            usage = chunk.usage
+                        tokens = _delta_tokens(chunk)
+                        if tokens:
+                            try:
+                                await self._meter.add(tokens)
+                            except Denied as denial:
+                                self.cut = denial
+                                yield chunk
+                                break
+                        if self._plan.hide_usage_chunk and not chunk.choices:
+                            continue
+                        yield chunk
+                except GeneratorExit:
+                    # The caller stopped reading; the call did not fail.
+                    stopped = _usage_of(usage) if usage is not None else self._meter.usage()
+                    await self.reservation.settle(stopped)
+                    raise
                 final = _usage_of(usage) if usage is not None else self._meter.usage()
                 await self.reservation.settle(final)
         finally:
