@@ -258,8 +258,10 @@ async fn pump(
             u
         }
     };
-    settle_attempt(&state, attempt_id, Some(&final_usage)).await;
-    settle(&state, &p, tenant_id, &final_usage).await;
+    tokio::join!(
+        settle_attempt(&state, attempt_id, Some(&final_usage)),
+        settle(&state, &p, tenant_id, &final_usage)
+    );
     if end != End::Complete {
         ::metrics::counter!("allowance_gateway_streams_cut_total", "reason" => end.label())
             .increment(1);

@@ -111,6 +111,19 @@ impl Upstream {
         }
     }
 
+    /// A place in the gate if one is free now.
+    pub fn try_acquire(self: &Arc<Self>) -> Option<Permit> {
+        let mut s = self.gate.state.lock();
+        if s.in_flight < s.limit {
+            s.in_flight += 1;
+            drop(s);
+            return Some(Permit {
+                upstream: self.clone(),
+            });
+        }
+        None
+    }
+
     /// The adaptive width now (for metrics and tests).
     pub fn width(&self) -> u64 {
         self.gate.state.lock().limit
