@@ -48,6 +48,9 @@ pub(crate) struct Prepared {
     pub catalog: Arc<Catalog>,
     pub tenant: String,
     pub tenant_req: ReserveRequest,
+    /// Each upstream attempt's reservation: `upstream:<name>` of the
+    /// internal tenant, the same amounts.
+    pub attempt_req: ReserveRequest,
     pub model: String,
     pub tokenizer: Tokenizer,
     pub estimate: Estimate,
@@ -142,10 +145,15 @@ async fn prepare(
         .and_then(|p| Tokenizer::from_name(&p.tokenizer))
         .unwrap_or(Tokenizer::O200kBase);
     let estimate = if bytes.len() > TOKENIZE_INLINE_BYTES {
-        let body = json.clone();
-        tokio::task::spawn_blocking(move || allowance_estimate::estimate(api, &body, tokenizer))
-            .await
-            .map_err(|_| GatewayError::unavailable("the estimate failed"))?
+        // The body goes to the blocking thread and comes back: no copy.
+        let (body, estimate) = tokio::task::spawn_blocking(move || {
+            let e = allowance_estimate::estimate(api, &json, tokenizer);
+            (json, e)
+        })
+        .await
+        .map_err(|_| GatewayError::unavailable("the estimate failed"))?;
+        json = body;
+        estimate
     } else {
         allowance_estimate::estimate(api, &json, tokenizer)
     }
@@ -201,6 +209,13 @@ async fn prepare(
     let amounts = Amounts::new()
         .with(Dimension::INPUT_TOKENS, estimate.input_tokens)
         .with(Dimension::OUTPUT_TOKENS, output_reserved);
+    let attempt_set = catalog
+        .scope_set(
+            GATEWAY_TENANT,
+            &[(UPSTREAM_KIND, upstream.settings.name.as_str())],
+        )
+        .map_err(|e| GatewayError::unavailable(format!("upstream scope: {e}")))?;
+    let attempt_req = ReserveRequest::new(attempt_set, amounts.clone());
     let mut tenant_req = ReserveRequest::new(set, amounts);
     tenant_req.model = Some(Arc::from(model.as_str()));
     tenant_req.report_remaining = true;
@@ -220,6 +235,7 @@ async fn prepare(
         catalog,
         tenant: key.tenant.clone(),
         tenant_req,
+        attempt_req,
         model,
         tokenizer,
         estimate,
@@ -504,20 +520,10 @@ async fn schedule(
     let max_wait = Duration::from_millis(state.options().max_wait_ms);
     backoff(p, max_wait).await?;
     let permit = up.acquire().await;
-    let set = p
-        .catalog
-        .scope_set(
-            GATEWAY_TENANT,
-            &[(UPSTREAM_KIND, up.settings.name.as_str())],
-        )
-        .map_err(|e| GatewayError::unavailable(format!("upstream scope: {e}")))?;
-    let amounts = Amounts::new()
-        .with(Dimension::INPUT_TOKENS, p.estimate.input_tokens)
-        .with(Dimension::OUTPUT_TOKENS, p.output_reserved);
-    let req = ReserveRequest::new(set, amounts);
+    let req = &p.attempt_req;
     let max_wait_ms = state.options().max_wait_ms;
     let left_ms = max_wait_ms.saturating_sub(p.started.elapsed().as_millis() as u64);
-    let id = match admit(state, &p.catalog, &req, left_ms, 0, Some(&p.tenant)).await {
+    let id = match admit(state, &p.catalog, req, left_ms, 0, Some(&p.tenant)).await {
         Ok(Ok(g)) => g.id,
         Ok(Err(StoreError::Rejected(ReserveError::Denied(d)))) => {
             return Err(GatewayError::denied(&d, state.now(), &p.catalog));
@@ -546,18 +552,8 @@ async fn schedule_now(state: &AppState, p: &Prepared) -> Option<(Permit, Reserva
         return None;
     }
     let permit = up.try_acquire()?;
-    let set = p
-        .catalog
-        .scope_set(
-            GATEWAY_TENANT,
-            &[(UPSTREAM_KIND, up.settings.name.as_str())],
-        )
-        .ok()?;
-    let amounts = Amounts::new()
-        .with(Dimension::INPUT_TOKENS, p.estimate.input_tokens)
-        .with(Dimension::OUTPUT_TOKENS, p.output_reserved);
-    let req = ReserveRequest::new(set, amounts);
-    match admit(state, &p.catalog, &req, 0, 0, Some(&p.tenant)).await {
+    let req = &p.attempt_req;
+    match admit(state, &p.catalog, req, 0, 0, Some(&p.tenant)).await {
         Ok(Ok(g)) => Some((permit, g.id)),
         _ => None,
     }
