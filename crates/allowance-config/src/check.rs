@@ -3,7 +3,9 @@
 
 use std::fmt;
 
-use allowance_core::{Dimension, Limit, OverrunPolicy, Plan, TENANT_KIND, Window};
+use allowance_core::{
+    Dimension, Limit, Override, OverrunPolicy, Plan, ScopeKey, TENANT_KIND, Window,
+};
 
 use crate::Config;
 use crate::duration::format_duration_ms;
@@ -400,6 +402,20 @@ pub fn plans_table(config: &Config) -> String {
         {
             push_plan(&mut rows, "-".into(), Some(plan));
         }
+    }
+
+    // Scopes the file gives limits of their own (the gateway's upstreams),
+    // under their scope's name; the gateway's internal tenant has none.
+    let mut own: Vec<(&ScopeKey, &Plan)> = c
+        .overrides()
+        .filter_map(|(k, o)| match o {
+            Override::Limits(p) if !p.limits().is_empty() => Some((k, &**p)),
+            _ => None,
+        })
+        .collect();
+    own.sort_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
+    for (scope, plan) in own {
+        push_plan(&mut rows, scope.as_str().to_string(), Some(plan));
     }
 
     let mut widths = [0usize; 6];

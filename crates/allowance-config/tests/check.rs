@@ -180,3 +180,39 @@ fn the_table_ends_with_the_overrun_policy_and_the_findings() {
     assert!(table.contains("\ntool (shared)  tool "), "{table}");
     assert!(table.contains("calendar  day Europe/Paris"), "{table}");
 }
+
+#[test]
+fn the_table_shows_each_upstream_s_own_limits() {
+    let config = parse(
+        r#"
+[gateway]
+[[gateway.upstreams]]
+name = "openai"
+base_url = "https://api.openai.com"
+models = ["gpt-4o"]
+requests_per_minute = 500
+output_tokens_per_minute = 8000
+max_concurrent = 50
+[[gateway.keys]]
+sha256 = "fcde2b2edba56bf408601fb721fe9b5c338d10ee429ea04fae5511b68fbf8fb9"
+tenant = "acme"
+"#,
+        "gw.toml",
+    )
+    .unwrap();
+    let table = plans_table(&config);
+    // Columns are padded: compare rows with their spaces collapsed.
+    let rows: Vec<String> = table
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        .collect();
+    for row in [
+        "upstream (shared) - (no limits)",
+        "upstream:openai upstream-openai requests 500 bucket 1m",
+        "upstream:openai upstream-openai output_tokens 8_000 bucket 1m",
+        "upstream:openai upstream-openai concurrent 50 concurrent -",
+    ] {
+        assert!(rows.iter().any(|r| r == row), "{row} in\n{table}");
+    }
+    assert!(!table.contains("~gateway"), "{table}");
+}
