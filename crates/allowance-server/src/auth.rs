@@ -77,24 +77,14 @@ impl Credentials {
         let token = value
             .to_str()
             .ok()
-            .and_then(|v| {
-                let (scheme, rest) = v.split_once(' ')?;
-                scheme.eq_ignore_ascii_case("bearer").then(|| rest.trim())
-            })
+            .and_then(bearer)
             .filter(|t| !t.is_empty());
         let Some(token) = token else {
             return Err(ApiError::unauthorized(
                 "malformed Authorization header: expected Bearer <token>",
             ));
         };
-        let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
-        let mut found: Option<&Credential> = None;
-        for c in &self.list {
-            if bool::from(c.sha256.ct_eq(&digest)) {
-                found = Some(c);
-            }
-        }
-        match found {
+        match matching(&self.list, |c| &c.sha256, token) {
             Some(Credential { tenant: None, .. }) => Ok(Principal::Admin),
             Some(Credential {
                 tenant: Some(t), ..
@@ -102,6 +92,29 @@ impl Credentials {
             None => Err(ApiError::unauthorized("unknown token")),
         }
     }
+}
+
+/// The token of an `Authorization: Bearer <token>` value.
+pub(crate) fn bearer(value: &str) -> Option<&str> {
+    let (scheme, rest) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| rest.trim())
+}
+
+/// The entry of `list` whose hash is the SHA-256 of `secret`, compared in
+/// constant time against every entry (no early exit).
+pub(crate) fn matching<'a, T>(
+    list: &'a [T],
+    hash: impl Fn(&T) -> &[u8; 32],
+    secret: &str,
+) -> Option<&'a T> {
+    let digest: [u8; 32] = Sha256::digest(secret.as_bytes()).into();
+    let mut found = None;
+    for entry in list {
+        if bool::from(hash(entry).ct_eq(&digest)) {
+            found = Some(entry);
+        }
+    }
+    found
 }
 
 /// SHA-256 of a token, as configured (`sha256 = "…"`), lowercase hex.

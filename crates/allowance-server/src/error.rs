@@ -60,6 +60,37 @@ pub struct DenialBody {
     pub resets_at: Option<String>,
 }
 
+impl DenialBody {
+    /// The body's denial fields of `d`.
+    pub fn of(d: &Denial) -> DenialBody {
+        DenialBody {
+            scope: d.scope.as_str().to_string(),
+            dimension: d.dimension.clone(),
+            window: window_name(d.window),
+            capacity: d.capacity,
+            remaining: d.remaining,
+            requested: d.requested,
+            retry_after_ms: d.retry_after_ms,
+            resets_at: d.resets_at.map(rfc3339),
+        }
+    }
+}
+
+/// The headers every denial carries, native or gateway: `X-Budget-Scope`,
+/// `X-Budget-Dimension`, `RateLimit-Policy` and `RateLimit`.
+pub(crate) fn denial_headers(h: &mut HeaderMap, d: &Denial, now: Timestamp, catalog: &Catalog) {
+    let mut put = |name: &'static str, value: &str| {
+        if let Ok(v) = HeaderValue::from_str(value) {
+            h.insert(HeaderName::from_static(name), v);
+        }
+    };
+    put("x-budget-scope", d.scope.as_str());
+    put("x-budget-dimension", &d.dimension);
+    let binding = headers::Binding::from_denial(d, now, catalog);
+    put("ratelimit-policy", &binding.policy());
+    put("ratelimit", &binding.state());
+}
+
 /// `{"error": {...}}`.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ErrorBody {
@@ -176,32 +207,14 @@ impl ApiError {
             DenialKind::ExceedsLimit => (StatusCode::UNPROCESSABLE_ENTITY, "exceeds_limit"),
         };
         let mut e = Self::plain(status, kind, d.to_string());
-        e.0.object.denial = Some(DenialBody {
-            scope: d.scope.as_str().to_string(),
-            dimension: d.dimension.clone(),
-            window: window_name(d.window),
-            capacity: d.capacity,
-            remaining: d.remaining,
-            requested: d.requested,
-            retry_after_ms: d.retry_after_ms,
-            resets_at: d.resets_at.map(rfc3339),
-        });
+        e.0.object.denial = Some(DenialBody::of(d));
         if let (DenialKind::RateLimited, Some(ms)) = (d.kind, d.retry_after_ms) {
             e.0.headers.insert(
                 axum::http::header::RETRY_AFTER,
                 HeaderValue::from(ms.div_ceil(1000)),
             );
         }
-        let mut put = |name: &'static str, value: &str| {
-            if let Ok(v) = HeaderValue::from_str(value) {
-                e.0.headers.insert(HeaderName::from_static(name), v);
-            }
-        };
-        put("x-budget-scope", d.scope.as_str());
-        put("x-budget-dimension", &d.dimension);
-        let binding = headers::Binding::from_denial(d, now, catalog);
-        put("ratelimit-policy", &binding.policy());
-        put("ratelimit", &binding.state());
+        denial_headers(&mut e.0.headers, d, now, catalog);
         e
     }
 

@@ -72,8 +72,8 @@ impl Binding {
 /// The tightest limit of a grant: smallest remaining/capacity, compared
 /// exactly (cross-multiplied in 128 bits); the first in report order wins
 /// a tie.
-pub fn tightest(remaining: &[Remaining]) -> Option<&Remaining> {
-    remaining.iter().reduce(|best, r| {
+pub fn tightest<'a>(remaining: impl IntoIterator<Item = &'a Remaining>) -> Option<&'a Remaining> {
+    remaining.into_iter().reduce(|best, r| {
         let lhs = i128::from(r.remaining) * i128::from(best.capacity);
         let rhs = i128::from(best.remaining) * i128::from(r.capacity);
         if lhs < rhs { r } else { best }
@@ -164,7 +164,7 @@ mod tests {
         assert_eq!(tightest(&list).unwrap().capacity, 1000);
         let overrun = [rem(1, 10), rem(-5, 1000)];
         assert_eq!(tightest(&overrun).unwrap().remaining, -5);
-        assert!(tightest(&[]).is_none());
+        assert!(tightest(&[] as &[Remaining]).is_none());
     }
 
     #[test]

@@ -8,7 +8,6 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
 use crate::error::DenialBody;
-use crate::wire::{rfc3339, window_name};
 
 /// Whose protocol a route speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -105,16 +104,6 @@ impl GatewayError {
     /// A ledger denial: 429 (retry after), 402 (budget: the SDKs do not
     /// retry it) or 422 (the call can never fit).
     pub fn denied(d: &Denial, now: Timestamp, catalog: &Catalog) -> Self {
-        let body = DenialBody {
-            scope: d.scope.as_str().to_string(),
-            dimension: d.dimension.clone(),
-            window: window_name(d.window),
-            capacity: d.capacity,
-            remaining: d.remaining,
-            requested: d.requested,
-            retry_after_ms: d.retry_after_ms,
-            resets_at: d.resets_at.map(rfc3339),
-        };
         let (status, openai_type, code) = match d.kind {
             DenialKind::RateLimited => (
                 StatusCode::TOO_MANY_REQUESTS,
@@ -143,12 +132,8 @@ impl GatewayError {
             // The SDKs read this one first, to the millisecond.
             insert(&mut e.headers, "retry-after-ms", &ms.to_string());
         }
-        insert(&mut e.headers, "x-budget-scope", d.scope.as_str());
-        insert(&mut e.headers, "x-budget-dimension", &d.dimension);
-        let binding = crate::headers::Binding::from_denial(d, now, catalog);
-        insert(&mut e.headers, "ratelimit-policy", &binding.policy());
-        insert(&mut e.headers, "ratelimit", &binding.state());
-        e.denial = Some(body);
+        crate::error::denial_headers(&mut e.headers, d, now, catalog);
+        e.denial = Some(DenialBody::of(d));
         e
     }
 
@@ -226,15 +211,10 @@ pub(crate) fn ratelimit_headers(
 ) -> HeaderMap {
     let mut h = HeaderMap::new();
     for (dimension, word) in [("requests", "requests"), ("tokens", "tokens")] {
-        let tightest = remaining
-            .iter()
-            .filter(|r| r.dimension == dimension)
-            .reduce(|best, r| {
-                let lhs = i128::from(r.remaining) * i128::from(best.capacity);
-                let rhs = i128::from(best.remaining) * i128::from(r.capacity);
-                if lhs < rhs { r } else { best }
-            });
-        let Some(r) = tightest else { continue };
+        let of_dimension = remaining.iter().filter(|r| r.dimension == dimension);
+        let Some(r) = crate::headers::tightest(of_dimension) else {
+            continue;
+        };
         let left = r.remaining.max(0).to_string();
         let reset_ms = r
             .resets_at
@@ -271,11 +251,8 @@ pub(crate) fn ratelimit_headers(
     h
 }
 
-/// A duration in OpenAI's (Go's) format: `12ms`, `1s`, `1.5s`, `6m0s`, `1h2m3s`.
-///
-/// ```ignore
-/// assert_eq!(go_duration(360_000), "6m0s");
-/// ```
+/// A duration in OpenAI's (Go's) format: `12ms`, `1s`, `1.5s`, `6m0s`,
+/// `1h2m3s` (the unit test below pins each form).
 pub(crate) fn go_duration(ms: u64) -> String {
     if ms < 1000 {
         return format!("{ms}ms");

@@ -790,24 +790,43 @@ fn model_label(p: &Prepared) -> String {
     }
 }
 
-/// Settles the caller's reservation; a store that does not answer is
-/// retried a few times (the usage must not be lost), then logged.
-pub(crate) async fn settle(state: &AppState, p: &Prepared, id: ReservationId, usage: &Usage) {
+/// Ends a reservation with `op` (a settle or a refund), retrying while the
+/// store does not answer: what a call used must not be lost to a blip.
+/// `Err(Some(why))` when the store refused it, `Err(None)` when it never
+/// answered.
+async fn end_with_retries<T, E: std::fmt::Display, F>(
+    state: &AppState,
+    op: impl Fn() -> F,
+) -> Result<(), Option<String>>
+where
+    F: std::future::Future<Output = Result<T, StoreError<E>>>,
+{
     for delay_ms in [0u64, 50, 500, 2000] {
         pause(delay_ms).await;
-        match state.call(state.store().settle(id, usage)).await {
+        match state.call(op()).await {
             Ok(Ok(_)) => {
                 state.queue().kick();
-                return;
+                return Ok(());
             }
             Ok(Err(StoreError::Unavailable(_))) | Err(_) => continue,
-            Ok(Err(e)) => {
-                tracing::warn!(reservation = %id, model = %p.model, error = %e, "gateway settle refused");
-                return;
-            }
+            Ok(Err(e)) => return Err(Some(e.to_string())),
         }
     }
-    tracing::error!(reservation = %id, model = %p.model, "gateway settle failed: the store did not answer; the hold will expire and the usage is not recorded");
+    Err(None)
+}
+
+/// Settles the caller's reservation.
+pub(crate) async fn settle(state: &AppState, p: &Prepared, id: ReservationId, usage: &Usage) {
+    match end_with_retries(state, || state.store().settle(id, usage)).await {
+        Ok(()) => {}
+        Err(Some(e)) => {
+            tracing::warn!(reservation = %id, model = %p.model, error = %e, "gateway settle refused")
+        }
+        Err(None) => tracing::error!(
+            reservation = %id, model = %p.model,
+            "gateway settle failed: the store did not answer; the hold will expire and the usage is not recorded"
+        ),
+    }
 }
 
 /// Settles an attempt's reservation on `upstream:<name>`: its usage, or
@@ -820,26 +839,22 @@ pub(crate) async fn settle_attempt(
     let Some(id) = id else { return };
     let none = Usage::default();
     let usage = usage.unwrap_or(&none);
-    for delay_ms in [0u64, 50, 500] {
-        pause(delay_ms).await;
-        if let Ok(Ok(_)) = state.call(state.store().settle(id, usage)).await {
-            state.queue().kick();
-            return;
-        }
+    if end_with_retries(state, || state.store().settle(id, usage))
+        .await
+        .is_err()
+    {
+        tracing::warn!(reservation = %id, "gateway: an upstream attempt's settle failed; its hold will expire");
     }
-    tracing::warn!(reservation = %id, "gateway: an upstream attempt's settle failed; its hold will expire");
 }
 
 /// Refunds a reservation (a failed call costs its caller nothing).
 pub(crate) async fn refund(state: &AppState, id: ReservationId) {
-    for delay_ms in [0u64, 50, 500] {
-        pause(delay_ms).await;
-        if let Ok(Ok(_)) = state.call(state.store().refund(id)).await {
-            state.queue().kick();
-            return;
-        }
+    if end_with_retries(state, || state.store().refund(id))
+        .await
+        .is_err()
+    {
+        tracing::warn!(reservation = %id, "gateway refund failed; the hold will expire");
     }
-    tracing::warn!(reservation = %id, "gateway refund failed; the hold will expire");
 }
 
 /// Waits before a retry of a store call; the first try does not wait (a

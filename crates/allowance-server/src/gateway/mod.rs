@@ -36,8 +36,6 @@ use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing::{get, post};
-use sha2::{Digest, Sha256};
-use subtle::ConstantTimeEq;
 
 use crate::AppState;
 pub(crate) use answer::{Flavor, GatewayError};
@@ -133,10 +131,7 @@ impl Gateway {
         let bearer = headers
             .get(axum::http::header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| {
-                let (scheme, rest) = v.split_once(' ')?;
-                scheme.eq_ignore_ascii_case("bearer").then(|| rest.trim())
-            });
+            .and_then(crate::auth::bearer);
         let key = bearer
             .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()))
             .filter(|k| !k.is_empty())
@@ -145,14 +140,8 @@ impl Gateway {
                     "missing gateway key: send Authorization: Bearer <key> (or x-api-key)",
                 )
             })?;
-        let digest: [u8; 32] = Sha256::digest(key.as_bytes()).into();
-        let mut found = None;
-        for k in &self.keys {
-            if bool::from(k.sha256.ct_eq(&digest)) {
-                found = Some(k);
-            }
-        }
-        found.ok_or_else(|| GatewayError::unauthorized("unknown gateway key"))
+        crate::auth::matching(&self.keys, |k| &k.sha256, key)
+            .ok_or_else(|| GatewayError::unauthorized("unknown gateway key"))
     }
 
     /// The models routed by name, for `GET /v1/models`.
