@@ -4,6 +4,8 @@
 //! stub upstream implements the same contract independently, so every rule
 //! here is spelled out in the crate docs and pinned by the fixture tests.
 
+use std::cell::Cell;
+
 use serde_json::{Map, Value};
 
 use crate::Tokenizer;
@@ -98,7 +100,8 @@ pub fn estimate(api: Api, body: &Value, tokenizer: Tokenizer) -> Result<Estimate
         body,
         Counter {
             tokenizer,
-            cached: true,
+            mode: Mode::Cached,
+            bounded: &Cell::new(false),
         },
     )
 }
@@ -115,12 +118,69 @@ pub fn estimate_uncached(
         body,
         Counter {
             tokenizer,
-            cached: false,
+            mode: Mode::Uncached,
+            bounded: &Cell::new(false),
         },
     )
 }
 
-fn estimate_with(api: Api, body: &Value, counter: Counter) -> Result<Estimate, BadRequest> {
+/// An estimate that may bound some counts instead of making them: see
+/// [`estimate_bound`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bounded {
+    /// The estimate; its `input_tokens` is at least the exact count.
+    pub estimate: Estimate,
+    /// Whether every string was counted (from the cache or tokenized), so
+    /// `input_tokens` is exactly what [`estimate`] answers.
+    pub exact: bool,
+}
+
+/// Strings up to this many bytes are tokenized by [`estimate_bound`] when
+/// the cache does not know them (tens of microseconds at most); longer
+/// ones are bounded.
+pub const BOUND_EXACT_MAX_BYTES: usize = 256;
+
+/// [`estimate`] without tokenizing what is slow to tokenize: a string the
+/// cache does not know and longer than [`BOUND_EXACT_MAX_BYTES`] counts as
+/// its length in bytes. That is an upper bound — every token of
+/// `o200k_base` and `cl100k_base` stands for at least one byte — so the
+/// estimate is never below [`estimate`]'s, and costs microseconds for a
+/// body that takes milliseconds to tokenize (a gateway can hold on the
+/// bound, start the call, and count exactly meanwhile). The same
+/// validation, the same errors.
+///
+/// ```
+/// use allowance_estimate::{Api, Tokenizer, estimate, estimate_bound};
+/// use serde_json::json;
+///
+/// let long = "word ".repeat(1_000);
+/// let body = json!({"model": "gpt-4o", "messages": [{"role": "user", "content": long}]});
+/// let bound = estimate_bound(Api::ChatCompletions, &body, Tokenizer::O200kBase)?;
+/// let exact = estimate(Api::ChatCompletions, &body, Tokenizer::O200kBase)?;
+/// assert!(!bound.exact && bound.estimate.input_tokens >= exact.input_tokens);
+/// // Counted once, the string is in the cache: the bound is now exact.
+/// let again = estimate_bound(Api::ChatCompletions, &body, Tokenizer::O200kBase)?;
+/// assert!(again.exact && again.estimate == exact);
+/// # Ok::<(), allowance_estimate::BadRequest>(())
+/// ```
+pub fn estimate_bound(api: Api, body: &Value, tokenizer: Tokenizer) -> Result<Bounded, BadRequest> {
+    let bounded = Cell::new(false);
+    let estimate = estimate_with(
+        api,
+        body,
+        Counter {
+            tokenizer,
+            mode: Mode::Bound,
+            bounded: &bounded,
+        },
+    )?;
+    Ok(Bounded {
+        estimate,
+        exact: !bounded.get(),
+    })
+}
+
+fn estimate_with(api: Api, body: &Value, counter: Counter<'_>) -> Result<Estimate, BadRequest> {
     // Cheap checks first: a bad `max_tokens` costs no tokenizing.
     if !body.is_object() {
         return Err(BadRequest::new("body", "must be a JSON object"));
@@ -192,7 +252,7 @@ fn output_bound(body: &Value, field: &'static str) -> Result<Option<u64>, BadReq
 // Sums below cannot overflow: every token counted needs at least one byte of
 // body (an image's 765 needs ~20), so a u64 overflows only past 2^54 bytes.
 
-fn chat_input(body: &Value, c: Counter) -> Result<u64, BadRequest> {
+fn chat_input(body: &Value, c: Counter<'_>) -> Result<u64, BadRequest> {
     let messages = message_list(body, "messages")?;
     let mut n = REPLY_PRIMING_TOKENS + tools(body, c);
     for (i, m) in messages.iter().enumerate() {
@@ -201,7 +261,7 @@ fn chat_input(body: &Value, c: Counter) -> Result<u64, BadRequest> {
     Ok(n)
 }
 
-fn responses_input(body: &Value, c: Counter) -> Result<u64, BadRequest> {
+fn responses_input(body: &Value, c: Counter<'_>) -> Result<u64, BadRequest> {
     let mut n = REPLY_PRIMING_TOKENS + tools(body, c);
     match body.get("instructions") {
         None | Some(Value::Null) => {}
@@ -228,7 +288,7 @@ fn responses_input(body: &Value, c: Counter) -> Result<u64, BadRequest> {
     Ok(n)
 }
 
-fn anthropic_input(body: &Value, c: Counter) -> Result<u64, BadRequest> {
+fn anthropic_input(body: &Value, c: Counter<'_>) -> Result<u64, BadRequest> {
     let messages = message_list(body, "messages")?;
     let mut n = REPLY_PRIMING_TOKENS + tools(body, c);
     match body.get("system") {
@@ -251,7 +311,7 @@ fn anthropic_input(body: &Value, c: Counter) -> Result<u64, BadRequest> {
     Ok(n)
 }
 
-fn embeddings_input(body: &Value, c: Counter) -> Result<u64, BadRequest> {
+fn embeddings_input(body: &Value, c: Counter<'_>) -> Result<u64, BadRequest> {
     const EXPECTED: &str = "must be a string, or a non-empty array of strings or of token arrays";
     match body.get("input") {
         Some(Value::String(s)) => Ok(c.text(s)),
@@ -287,7 +347,7 @@ fn message_list<'a>(body: &'a Value, field: &'static str) -> Result<&'a [Value],
 }
 
 /// `tools` (and the legacy `functions`) count as their compact JSON.
-fn tools(body: &Value, c: Counter) -> u64 {
+fn tools(body: &Value, c: Counter<'_>) -> u64 {
     ["tools", "functions"]
         .iter()
         .filter_map(|field| body.get(*field))
@@ -298,7 +358,7 @@ fn tools(body: &Value, c: Counter) -> u64 {
 
 /// A message the body implies (`{role, content}` from `system`,
 /// `instructions` or a string `input`), whose content counts `content`.
-fn synthetic_message(c: Counter, role: &str, content: u64) -> u64 {
+fn synthetic_message(c: Counter<'_>, role: &str, content: u64) -> u64 {
     MESSAGE_OVERHEAD_TOKENS + c.text(role) + content
 }
 
@@ -317,7 +377,7 @@ fn message(
     list: &'static str,
     i: usize,
     rule: Parts,
-    c: Counter,
+    c: Counter<'_>,
 ) -> Result<u64, BadRequest> {
     let Value::Object(fields) = m else {
         return Err(BadRequest::new(format!("{list}[{i}]"), "must be an object"));
@@ -350,7 +410,7 @@ fn message(
 fn parts(
     content: &[Value],
     rule: Parts,
-    c: Counter,
+    c: Counter<'_>,
     path: impl Fn() -> String,
 ) -> Result<u64, BadRequest> {
     let mut n = 0;
@@ -366,7 +426,7 @@ fn parts(
     Ok(n)
 }
 
-fn part_tokens(fields: &Map<String, Value>, part: &Value, rule: Parts, c: Counter) -> u64 {
+fn part_tokens(fields: &Map<String, Value>, part: &Value, rule: Parts, c: Counter<'_>) -> u64 {
     if let Some(Value::String(text)) = fields.get("text") {
         return c.text(text);
     }
@@ -378,19 +438,40 @@ fn part_tokens(fields: &Map<String, Value>, part: &Value, rule: Parts, c: Counte
     }
 }
 
-/// Counts strings with or without the cache.
+/// How a [`Counter`] counts a string.
 #[derive(Clone, Copy)]
-struct Counter {
-    tokenizer: Tokenizer,
-    cached: bool,
+enum Mode {
+    /// Through the process-wide cache.
+    Cached,
+    /// Tokenized now.
+    Uncached,
+    /// From the cache, or tokenized when short, or bounded by its length.
+    Bound,
 }
 
-impl Counter {
+/// Counts strings.
+#[derive(Clone, Copy)]
+struct Counter<'a> {
+    tokenizer: Tokenizer,
+    mode: Mode,
+    /// Set when a [`Mode::Bound`] count was a bound.
+    bounded: &'a Cell<bool>,
+}
+
+impl Counter<'_> {
     fn text(self, s: &str) -> u64 {
-        if self.cached {
-            self.tokenizer.count_cached(s)
-        } else {
-            self.tokenizer.count(s)
+        match self.mode {
+            Mode::Cached => self.tokenizer.count_cached(s),
+            Mode::Uncached => self.tokenizer.count(s),
+            Mode::Bound => match self.tokenizer.lookup(s) {
+                Some(n) => n,
+                None if s.len() <= BOUND_EXACT_MAX_BYTES => self.tokenizer.count_cached(s),
+                None => {
+                    self.bounded.set(true);
+                    // usize → u64 is lossless on every platform Rust supports.
+                    s.len() as u64
+                }
+            },
         }
     }
 

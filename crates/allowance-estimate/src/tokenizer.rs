@@ -68,6 +68,15 @@ impl Tokenizer {
         self.bpe().encode_ordinary(text).len() as u64
     }
 
+    /// The count of `text` if the process-wide cache has it.
+    pub(crate) fn lookup(self, text: &str) -> Option<u64> {
+        if text.is_empty() {
+            return Some(0);
+        }
+        let cache = &*COUNT_CACHE;
+        cache.counts.get(&cache.key(self, text)).map(u64::from)
+    }
+
     /// The number of tokens in `text`, from the process-wide cache if it was
     /// counted before (and kept there now if not).
     pub fn count_cached(self, text: &str) -> u64 {
