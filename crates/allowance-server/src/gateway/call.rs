@@ -32,6 +32,10 @@ pub(crate) const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(600);
 /// Bodies past this size are tokenized off the async workers (a 32K-token
 /// prompt takes milliseconds).
 const TOKENIZE_INLINE_BYTES: usize = 64 * 1024;
+/// A stream whose body is past this size (~4K tokens, ~0.5 ms to tokenize)
+/// is held on a bound of its input and counted exactly while the call runs
+/// (see [`Prepared::count_later`]).
+const BOUND_FIRST_BYTES: usize = 16 * 1024;
 /// Backoff between retries of a 5xx or a refused connection (per call,
 /// doubled per attempt, jittered).
 const SERVER_ERROR_BACKOFF: Duration = Duration::from_millis(250);
@@ -64,6 +68,12 @@ pub(crate) struct Prepared {
     pub body: Bytes,
     /// Whether the gateway added `stream_options.include_usage`.
     pub injected_usage: bool,
+    /// The body, when `estimate.input_tokens` is a bound, not a count: a
+    /// long stream's prompt is not tokenized before the call (milliseconds
+    /// at 32K tokens, all of it before the first byte) but held on the
+    /// bound of its byte length, and counted on a blocking thread while the
+    /// provider works; the holds are then swapped for exact ones.
+    pub count_later: Option<Value>,
     /// The path and query as received (`/v1/chat/completions?x=1`).
     pub path: String,
     /// Headers passed upstream as received (`anthropic-version`, …).
@@ -144,7 +154,16 @@ async fn prepare(
     let tokenizer = price
         .and_then(|p| Tokenizer::from_name(&p.tokenizer))
         .unwrap_or(Tokenizer::O200kBase);
-    let estimate = if bytes.len() > TOKENIZE_INLINE_BYTES {
+    let mut bounded = false;
+    let estimate = if bytes.len() > BOUND_FIRST_BYTES
+        && let Ok(b) = allowance_estimate::estimate_bound(api, &json, tokenizer)
+        && (b.exact || b.estimate.stream)
+    {
+        // Exact from the cache (a re-sent conversation), or a stream that
+        // can start on the bound. (A bad body is refused below, as ever.)
+        bounded = !b.exact;
+        Ok(b.estimate)
+    } else if bytes.len() > TOKENIZE_INLINE_BYTES {
         // The body goes to the blocking thread and comes back: no copy.
         let (body, estimate) = tokio::task::spawn_blocking(move || {
             let e = allowance_estimate::estimate(api, &json, tokenizer);
@@ -227,6 +246,7 @@ async fn prepare(
             passed.insert(name.clone(), value.clone());
         }
     }
+    let count_later = bounded.then_some(json);
     Ok(Prepared {
         api,
         flavor,
@@ -244,10 +264,49 @@ async fn prepare(
         tranche_tokens: gw.tranche_tokens,
         body,
         injected_usage,
+        count_later,
         path: String::new(),
         passed,
         started,
     })
+}
+
+impl Prepared {
+    /// Sets the input estimate, on the call's requests too.
+    pub(crate) fn set_input_tokens(&mut self, input_tokens: u64) {
+        self.estimate.input_tokens = input_tokens;
+        self.tenant_req
+            .amounts
+            .set(Dimension::INPUT_TOKENS, input_tokens);
+        self.attempt_req
+            .amounts
+            .set(Dimension::INPUT_TOKENS, input_tokens);
+    }
+}
+
+/// The exact count of a body whose input was bounded, made on a blocking
+/// thread: `None` when it failed (the bound then stays).
+pub(crate) type Counting =
+    tokio::task::JoinHandle<Result<Estimate, allowance_estimate::BadRequest>>;
+
+/// Counts `json` exactly on a blocking thread.
+fn count_exactly(api: Api, tokenizer: Tokenizer, json: Value) -> Counting {
+    tokio::task::spawn_blocking(move || allowance_estimate::estimate(api, &json, tokenizer))
+}
+
+/// The exact input count of a finished [`Counting`], if it succeeded.
+pub(crate) fn exact_count(
+    result: Result<Result<Estimate, allowance_estimate::BadRequest>, tokio::task::JoinError>,
+) -> Option<u64> {
+    match result {
+        Ok(Ok(e)) => Some(e.input_tokens),
+        Ok(Err(e)) => {
+            // The bound's pass accepted the same body: this cannot happen.
+            tracing::warn!(error = %e, "gateway: the exact count refused a body the bound accepted; the bound stays");
+            None
+        }
+        Err(_) => None,
+    }
 }
 
 /// The scopes a call counts against besides its tenant: the key's user
@@ -322,7 +381,33 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
     // The caller's hold and the first attempt's place upstream are asked
     // for at once (one store round trip less, which is an fsync on the
     // durable store); the latter only when it needs no wait.
-    let (granted, first) = tokio::join!(reserve_tenant(&state, &p), schedule_now(&state, &p));
+    let mut counting = None;
+    let (granted, first) = match p.count_later.take() {
+        None => tokio::join!(reserve_tenant(&state, &p, true), schedule_now(&state, &p)),
+        Some(json) => {
+            let (granted, first) =
+                tokio::join!(reserve_tenant(&state, &p, false), schedule_now(&state, &p));
+            if granted.is_ok() && first.is_some() {
+                // Held on the bound, with a place upstream: go, and count.
+                counting = Some(count_exactly(p.api, p.tokenizer, json));
+                (granted, first)
+            } else {
+                // The bound does not fit (or must wait): a refusal must
+                // be for the call's true size, so count first, as any.
+                if let Ok(g) = &granted {
+                    refund(&state, g.id).await;
+                }
+                if let Some((permit, id)) = first {
+                    drop(permit);
+                    refund(&state, id).await;
+                }
+                if let Some(n) = exact_count(count_exactly(p.api, p.tokenizer, json).await) {
+                    p.set_input_tokens(n);
+                }
+                tokio::join!(reserve_tenant(&state, &p, true), schedule_now(&state, &p))
+            }
+        }
+    };
     let granted = match granted {
         Ok(g) => g,
         Err(e) => {
@@ -357,8 +442,16 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
                 .is_some_and(|v| v.starts_with("text/event-stream"));
             let lease = lease.and(&state, &p, attempt_id);
             if is_stream {
-                stream::start(state, p, granted.id, resp, attempt_id, permit, lease, extra)
+                stream::start(
+                    state, p, granted.id, resp, attempt_id, permit, lease, extra, counting,
+                )
             } else {
+                // Answered whole after all: settled now, from exact figures.
+                if let Some(c) = counting
+                    && let Some(n) = exact_count(c.await)
+                {
+                    p.set_input_tokens(n);
+                }
                 let r = finish_whole(&state, &p, granted.id, resp, attempt_id, extra).await;
                 drop(lease);
                 drop(permit);
@@ -388,11 +481,18 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
 
 /// The caller's reservation: answered at once (the SDK retries a 429
 /// after its `retry-after`).
-async fn reserve_tenant(state: &AppState, p: &Prepared) -> Result<Granted, GatewayError> {
+/// `count_denial`: false for a try on a bound, which a refusal does not end.
+async fn reserve_tenant(
+    state: &AppState,
+    p: &Prepared,
+    count_denial: bool,
+) -> Result<Granted, GatewayError> {
     match admit(state, &p.catalog, &p.tenant_req, 0, 0, None).await {
         Ok(Ok(g)) => Ok(g),
         Ok(Err(StoreError::Rejected(ReserveError::Denied(d)))) => {
-            crate::metrics::denial(&d);
+            if count_denial {
+                crate::metrics::denial(&d);
+            }
             Err(GatewayError::denied(&d, state.now(), &p.catalog))
         }
         Ok(Err(StoreError::Rejected(ReserveError::Invalid(i)))) => {
@@ -617,12 +717,17 @@ enum SendError {
 pub(crate) struct Lease(Vec<tokio::task::JoinHandle<()>>);
 
 impl Lease {
-    fn start(state: &AppState, p: &Prepared, id: ReservationId) -> Lease {
+    pub(crate) fn start(state: &AppState, p: &Prepared, id: ReservationId) -> Lease {
         Lease(Vec::new()).and(state, p, Some(id))
     }
 
     /// Renews `id`'s lease too (an upstream attempt's, held as long).
-    fn and(mut self, state: &AppState, p: &Prepared, id: Option<ReservationId>) -> Lease {
+    pub(crate) fn and(
+        mut self,
+        state: &AppState,
+        p: &Prepared,
+        id: Option<ReservationId>,
+    ) -> Lease {
         let Some(id) = id else { return self };
         let ttl_ms = p.catalog.settings().default_ttl_ms;
         let state = state.clone();

@@ -11,18 +11,19 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use bytes::Bytes;
 use futures_util::StreamExt;
+use futures_util::future::OptionFuture;
 use serde_json::Value;
 use tokio::sync::mpsc;
 
 use super::answer::{GatewayError, stream_error_event};
-use super::call::Lease;
 use super::call::{
-    Prepared, UPSTREAM_TIMEOUT, copy_headers, count_call, estimated_usage, ledger_usage,
-    observe_estimate, settle, settle_attempt,
+    Counting, Lease, Prepared, UPSTREAM_TIMEOUT, copy_headers, count_call, estimated_usage,
+    exact_count, ledger_usage, observe_estimate, refund, settle, settle_attempt,
 };
 use super::sse::Splitter;
 use super::upstream::Permit;
 use crate::AppState;
+use crate::routes::admit;
 
 /// Events in flight between the upstream reader and the client's body:
 /// small, so a slow client slows the reader (and the provider) instead of
@@ -65,6 +66,7 @@ pub(crate) fn start(
     permit: Permit,
     lease: Lease,
     extra: HeaderMap,
+    counting: Option<Counting>,
 ) -> Response {
     let status = resp.status();
     let headers = resp.headers().clone();
@@ -77,7 +79,7 @@ pub(crate) fn start(
     copy_headers(&headers, r.headers_mut());
     r.headers_mut().extend(extra);
     tokio::spawn(pump(
-        state, p, tenant_id, resp, attempt_id, permit, lease, tx,
+        state, p, tenant_id, resp, attempt_id, permit, lease, tx, counting,
     ));
     r
 }
@@ -85,13 +87,14 @@ pub(crate) fn start(
 #[allow(clippy::too_many_arguments)]
 async fn pump(
     state: AppState,
-    p: Prepared,
-    tenant_id: ReservationId,
+    mut p: Prepared,
+    mut tenant_id: ReservationId,
     resp: reqwest::Response,
-    attempt_id: Option<ReservationId>,
+    mut attempt_id: Option<ReservationId>,
     permit: Permit,
-    lease: Lease,
+    mut lease: Lease,
     tx: mpsc::Sender<Result<Bytes, std::io::Error>>,
+    mut counting: Option<Counting>,
 ) {
     let mut upstream = resp.bytes_stream();
     let mut split = Splitter::default();
@@ -109,6 +112,16 @@ async fn pump(
         let next = tokio::select! {
             n = tokio::time::timeout(UPSTREAM_TIMEOUT, upstream.next()) => n,
             _ = tx.closed() => { end = End::ClientGone; break 'read; }
+            // In this task, so no top-up runs on a hold being swapped.
+            c = OptionFuture::from(counting.as_mut()), if counting.is_some() => {
+                counting = None;
+                if let Some(Some(n)) = c.map(exact_count)
+                    && tighten(&state, &mut p, n, &mut tenant_id, &mut attempt_id, held_output).await
+                {
+                    lease = Lease::start(&state, &p, tenant_id).and(&state, &p, attempt_id);
+                }
+                continue 'read;
+            }
         };
         let chunk = match next {
             Ok(Some(Ok(c))) => c,
@@ -234,6 +247,12 @@ async fn pump(
     drop(permit);
     drop(lease);
 
+    // The estimate settles what the provider did not report: exact, then.
+    if let Some(c) = counting.take()
+        && let Some(n) = exact_count(c.await)
+    {
+        p.set_input_tokens(n);
+    }
     // The provider's usage is the whole truth only for a stream it
     // finished: Anthropic's first event already reports an output of 1.
     let reported = if end == End::Complete {
@@ -275,6 +294,49 @@ async fn pump(
             End::UpstreamBroke => "upstream_broken",
         },
     );
+}
+
+/// Swaps a stream's holds on the bound of its input for holds on the exact
+/// count `input_tokens`: a new reservation of each (the caller's with the
+/// output held so far), then a refund of the old one. A swap the ledger
+/// refuses (no room for both at once) keeps the bound's hold, which is
+/// larger: the call goes on. Returns whether anything was swapped.
+async fn tighten(
+    state: &AppState,
+    p: &mut Prepared,
+    input_tokens: u64,
+    tenant_id: &mut ReservationId,
+    attempt_id: &mut Option<ReservationId>,
+    held_output: u64,
+) -> bool {
+    let bound = p.estimate.input_tokens;
+    p.set_input_tokens(input_tokens);
+    if input_tokens >= bound {
+        return false;
+    }
+    let mut tenant_req = p.tenant_req.clone();
+    tenant_req
+        .amounts
+        .set(Dimension::OUTPUT_TOKENS, held_output);
+    tenant_req.report_remaining = false;
+    let attempt = async {
+        match attempt_id {
+            Some(_) => Some(admit(state, &p.catalog, &p.attempt_req, 0, 0, Some(&p.tenant)).await),
+            None => None,
+        }
+    };
+    let (tenant, attempt) =
+        tokio::join!(admit(state, &p.catalog, &tenant_req, 0, 0, None), attempt);
+    let mut old = Vec::new();
+    if let Ok(Ok(g)) = tenant {
+        old.push(std::mem::replace(tenant_id, g.id));
+    }
+    if let (Some(Ok(Ok(g))), Some(id)) = (attempt, attempt_id.as_mut()) {
+        old.push(std::mem::replace(id, g.id));
+    }
+    let swapped = !old.is_empty();
+    futures_util::future::join_all(old.into_iter().map(|id| refund(state, id))).await;
+    swapped
 }
 
 /// A chat chunk as it would read had usage not been asked for: its

@@ -1,0 +1,232 @@
+//! A long stream is not tokenized before its call: it is held on the bound
+//! of its byte length, the call starts, the exact count is made meanwhile,
+//! and the holds are swapped for exact ones. These tests check the swap's
+//! records and amounts, that a bound which does not fit never refuses a
+//! call that does (it is counted first), that a refusal names the true
+//! size, and that whole answers are still counted first.
+//!
+//! Every prompt carries a nonce: the token-count cache (process-wide, and
+//! the gateway runs in this process) must not know it, or the estimate is
+//! exact at once and no bound is used.
+
+mod common_gateway;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use allowance_stub::BehaviorPatch;
+use common_gateway::*;
+use serde_json::{Value, json};
+
+/// A prompt of about `words` words that no other call has sent: ~5 bytes
+/// and ~1 token a word, so its bound (bytes) is well above its count.
+fn long_unique_prompt(words: usize) -> String {
+    static NONCE: AtomicU64 = AtomicU64::new(0);
+    let n = NONCE.fetch_add(1, Ordering::Relaxed);
+    let pid = std::process::id();
+    let mut s = format!("[{pid}-{n}-{:?}] ", Instant::now());
+    for i in 0..words {
+        s.push_str(["alpha ", "beta ", "gamma ", "delta "][i % 4]);
+    }
+    s
+}
+
+fn stream_chat(content: &str, max_tokens: u64) -> Value {
+    let mut b = chat(content, max_tokens);
+    b["stream"] = json!(true);
+    b
+}
+
+fn held_input(rec: &Value) -> u64 {
+    amount(rec, "held", "input_tokens")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_stream_starts_on_a_bound_and_then_holds_exactly() {
+    let gw = Gw::start(Setup::new("boundswap")).await;
+    gw.count_upstream_exactly().await;
+    // A slow stream: the swap happens while it runs (the count of ~5K
+    // tokens takes milliseconds, a debug build's tens).
+    gw.behave(BehaviorPatch {
+        output_tokens: Some(20),
+        token_delay_ms: Some(150),
+        ..Default::default()
+    });
+    let body = stream_chat(&long_unique_prompt(5_000), 50);
+    assert!(serde_json::to_vec(&body).unwrap().len() > 16 * 1024);
+    let input = stub_chat_tokens(&body);
+    let call = tokio::spawn(read(gw.post("/v1/chat/completions").json(&body)));
+
+    // While it streams: the bound's holds are refunded, exact ones held.
+    let started = Instant::now();
+    let swapped = loop {
+        let refunded: Vec<Value> = gw
+            .usage_log()
+            .await
+            .into_iter()
+            .filter(|r| r["kind"] == "refunded")
+            .collect();
+        if refunded.len() == 2 {
+            break refunded;
+        }
+        assert!(
+            !call.is_finished(),
+            "the stream ended before its holds were swapped: {:#?}",
+            gw.usage_log().await
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "no swap after 20 s"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    for rec in &swapped {
+        assert!(
+            held_input(rec) > input,
+            "the bound is above the count: {rec}"
+        );
+        assert_eq!(amount(rec, "charged", "input_tokens"), 0, "{rec}");
+    }
+    assert!(!call.is_finished(), "swapped while streaming");
+    assert_eq!(gw.held_reservations("tenant:acme").await, 1);
+    assert_eq!(gw.held_reservations(&gw.upstream_scope()).await, 1);
+    let (_, held) = gw.limit(BOB, "tokens").await;
+    assert!(
+        (input + 8..=input + 50).contains(&held),
+        "the exact input and the output tranches: held {held}, input {input}"
+    );
+
+    let r = call.await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(hellos(&chat_content(&sse_events(&r.text))), 20);
+    gw.wait_nothing_held().await;
+
+    let callers = gw.caller_records().await;
+    let settled: Vec<&Value> = callers.iter().filter(|r| r["kind"] == "settled").collect();
+    assert_eq!(callers.len(), 2, "{callers:#?}");
+    assert_eq!(settled.len(), 1, "{callers:#?}");
+    let rec = settled[0];
+    assert_eq!(held_input(rec), input, "{rec}");
+    assert_eq!(amount(rec, "charged", "input_tokens"), input, "{rec}");
+    assert_eq!(amount(rec, "charged", "output_tokens"), 20, "{rec}");
+    assert_eq!(
+        amount(rec, "charged", "cost_micros"),
+        cost_micros(input, 20, GPT4O_IN_MICROS, GPT4O_OUT_MICROS)
+    );
+    let attempts = gw.attempt_records().await;
+    assert_eq!(attempts.len(), 2, "{attempts:#?}");
+    let attempt = attempts
+        .iter()
+        .find(|r| r["kind"] == "settled")
+        .expect("a settled attempt");
+    assert_eq!(held_input(attempt), input, "{attempt}");
+
+    // Charged once, exactly, everywhere.
+    assert_eq!(gw.limit(BOB, "tokens").await, (input + 20, 0));
+    assert_eq!(
+        gw.limit(&gw.upstream_scope(), "input_tokens").await,
+        (input, 0)
+    );
+    assert_eq!(
+        gw.limit(&gw.upstream_scope(), "requests").await,
+        (1, 0),
+        "one request upstream, whatever was swapped"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bound_that_does_not_fit_is_counted_first_and_the_call_goes() {
+    let prompt = long_unique_prompt(5_000);
+    let body = stream_chat(&prompt, 50);
+    let input = stub_chat_tokens(&body);
+    // Room for the call's true size, not for its bound (~5 bytes a token).
+    let mut setup = Setup::new("boundtight");
+    setup.user_limits = format!(
+        r#"[{{ dimension = "tokens", capacity = {}, window = "total" }}]"#,
+        input + 60
+    );
+    let gw = Gw::start(setup).await;
+    let r = gw.call("/v1/chat/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(hellos(&chat_content(&sse_events(&r.text))), 20);
+    gw.wait_nothing_held().await;
+    let callers = gw.caller_records().await;
+    assert_eq!(callers.len(), 1, "no bound was held: {callers:#?}");
+    assert_eq!(callers[0]["kind"], "settled");
+    assert_eq!(held_input(&callers[0]), input);
+    assert_eq!(gw.limit(BOB, "tokens").await, (input + 20, 0));
+    // The bound's refusal is not a denial anyone sees.
+    assert_eq!(
+        gw.metric("allowance_denials_total", &[])
+            .await
+            .unwrap_or(0.0),
+        0.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_stream_that_does_not_fit_is_refused_for_its_true_size() {
+    let body = stream_chat(&long_unique_prompt(5_000), 50);
+    let input = stub_chat_tokens(&body);
+    // A stream holds its input and a first tranche of output (8 here).
+    let mut setup = Setup::new("boundrefused");
+    setup.user_limits = format!(
+        r#"[{{ dimension = "tokens", capacity = {}, window = "total" }}]"#,
+        input + 4
+    );
+    let gw = Gw::start(setup).await;
+    let r = gw.call("/v1/chat/completions", &body).await;
+    assert_eq!(r.status, 422, "more than the whole capacity: {}", r.text);
+    let d = &r.json()["error"]["allowance"];
+    assert_eq!(d["scope"], BOB, "{}", r.text);
+    assert_eq!(d["dimension"], "tokens");
+    assert_eq!(d["requested"], input + 8, "the true size: {}", r.text);
+    assert_eq!(
+        gw.metric("allowance_denials_total", &[("type", "exceeds_limit")])
+            .await,
+        Some(1.0),
+        "counted once"
+    );
+    assert!(gw.stub.requests().is_empty(), "nothing was sent upstream");
+    gw.wait_nothing_held().await;
+    assert!(gw.caller_records().await.is_empty());
+    // The attempt's place is asked for beside the caller's hold (one store
+    // round trip), so a refused call refunds it: never charged.
+    for rec in gw.attempt_records().await {
+        assert_eq!(rec["kind"], "refunded", "{rec}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_whole_call_is_counted_before_it_is_held() {
+    let gw = Gw::start(Setup::new("boundwhole")).await;
+    let body = chat(&long_unique_prompt(5_000), 50);
+    let input = stub_chat_tokens(&body);
+    let r = gw.call("/v1/chat/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    gw.wait_nothing_held().await;
+    let callers = gw.caller_records().await;
+    assert_eq!(callers.len(), 1, "{callers:#?}");
+    assert_eq!(callers[0]["kind"], "settled");
+    assert_eq!(held_input(&callers[0]), input);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_stream_broken_off_at_once_is_charged_its_exact_count() {
+    // No usage comes: the gateway charges its own estimate of the input,
+    // which must be the count, not the bound, however early the end.
+    let gw = Gw::start(Setup::new("boundbroke")).await;
+    gw.stub
+        .enqueue([allowance_stub::Scripted::cut_after_tokens(1)])
+        .unwrap();
+    let body = stream_chat(&long_unique_prompt(5_000), 50);
+    let input = stub_chat_tokens(&body);
+    let _ = try_read(gw.post("/v1/chat/completions").json(&body)).await;
+    gw.wait_nothing_held().await;
+    let callers = gw.caller_records().await;
+    let settled: Vec<&Value> = callers.iter().filter(|r| r["kind"] == "settled").collect();
+    assert_eq!(settled.len(), 1, "{callers:#?}");
+    assert_eq!(amount(settled[0], "charged", "input_tokens"), input);
+    assert_eq!(amount(settled[0], "charged", "output_tokens"), 1);
+    assert_eq!(gw.limit(BOB, "tokens").await, (input + 1, 0));
+}
