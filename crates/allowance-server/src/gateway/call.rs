@@ -284,19 +284,28 @@ impl Prepared {
     }
 }
 
-/// The exact count of a body whose input was bounded, made on a blocking
-/// thread: `None` when it failed (the bound then stays).
+/// The exact count of a body whose input was bounded, made in the
+/// background while its call runs.
 pub(crate) type Counting =
-    tokio::task::JoinHandle<Result<Estimate, allowance_estimate::BadRequest>>;
+    tokio::sync::oneshot::Receiver<Result<Estimate, allowance_estimate::BadRequest>>;
 
-/// Counts `json` exactly on a blocking thread.
-fn count_exactly(api: Api, tokenizer: Tokenizer, json: Value) -> Counting {
-    tokio::task::spawn_blocking(move || allowance_estimate::estimate(api, &json, tokenizer))
+/// Counts `json` exactly on a low-priority background thread: nobody waits
+/// for it.
+fn count_in_background(api: Api, tokenizer: Tokenizer, json: Value) -> Counting {
+    super::background::spawn(move || allowance_estimate::estimate(api, &json, tokenizer))
 }
 
-/// The exact input count of a finished [`Counting`], if it succeeded.
-pub(crate) fn exact_count(
-    result: Result<Result<Estimate, allowance_estimate::BadRequest>, tokio::task::JoinError>,
+/// Counts `json` exactly on a blocking thread, for a call that waits.
+async fn count_now(api: Api, tokenizer: Tokenizer, json: Value) -> Option<u64> {
+    let counted =
+        tokio::task::spawn_blocking(move || allowance_estimate::estimate(api, &json, tokenizer))
+            .await;
+    exact_count(counted)
+}
+
+/// The exact input count of a finished count, if it succeeded.
+pub(crate) fn exact_count<E>(
+    result: Result<Result<Estimate, allowance_estimate::BadRequest>, E>,
 ) -> Option<u64> {
     match result {
         Ok(Ok(e)) => Some(e.input_tokens),
@@ -389,7 +398,7 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
                 tokio::join!(reserve_tenant(&state, &p, false), schedule_now(&state, &p));
             if granted.is_ok() && first.is_some() {
                 // Held on the bound, with a place upstream: go, and count.
-                counting = Some(count_exactly(p.api, p.tokenizer, json));
+                counting = Some(count_in_background(p.api, p.tokenizer, json));
                 (granted, first)
             } else {
                 // The bound does not fit (or must wait): a refusal must
@@ -401,7 +410,7 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
                     drop(permit);
                     refund(&state, id).await;
                 }
-                if let Some(n) = exact_count(count_exactly(p.api, p.tokenizer, json).await) {
+                if let Some(n) = count_now(p.api, p.tokenizer, json).await {
                     p.set_input_tokens(n);
                 }
                 tokio::join!(reserve_tenant(&state, &p, true), schedule_now(&state, &p))

@@ -20,6 +20,7 @@
 #![allow(clippy::result_large_err)]
 
 mod answer;
+mod background;
 mod call;
 mod sse;
 mod stream;

@@ -247,12 +247,6 @@ async fn pump(
     drop(permit);
     drop(lease);
 
-    // The estimate settles what the provider did not report: exact, then.
-    if let Some(c) = counting.take()
-        && let Some(n) = exact_count(c.await)
-    {
-        p.set_input_tokens(n);
-    }
     // The provider's usage is the whole truth only for a stream it
     // finished: Anthropic's first event already reports an output of 1.
     let reported = if end == End::Complete {
@@ -260,6 +254,19 @@ async fn pump(
     } else {
         None
     };
+    // What the provider did not report is settled from the estimate: the
+    // exact count, then, waited for. Reported usage needs it only for the
+    // estimate's accuracy metric: taken if it is there.
+    if let Some(mut c) = counting.take() {
+        let count = if reported.is_none() {
+            exact_count(c.await)
+        } else {
+            exact_count(c.try_recv())
+        };
+        if let Some(n) = count {
+            p.set_input_tokens(n);
+        }
+    }
     let final_usage: Usage = match reported {
         Some(u) => {
             observe_estimate(&p, u.input_tokens);
