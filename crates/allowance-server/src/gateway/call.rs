@@ -202,7 +202,14 @@ async fn prepare(
         && !estimate.include_usage
         && let Some(obj) = json.as_object_mut()
     {
+        injected_usage = true;
+        if !obj.contains_key("stream_options")
+            && let Some(spliced) = with_last_member(&body, INCLUDE_USAGE_MEMBER)
         {
+            // The client's bytes, one member more: a long prompt is not
+            // encoded again (the member is new: no key is duplicated).
+            body = spliced;
+        } else {
             let opts = obj
                 .entry("stream_options")
                 .or_insert_with(|| Value::Object(Default::default()));
@@ -210,7 +217,6 @@ async fn prepare(
                 *opts = Value::Object(Default::default());
             }
             opts["include_usage"] = Value::Bool(true);
-            injected_usage = true;
             body = Bytes::from(serde_json::to_vec(&json).map_err(|e| {
                 GatewayError::invalid(None, format!("the body cannot be re-encoded: {e}"))
             })?);
@@ -269,6 +275,30 @@ async fn prepare(
         passed,
         started,
     })
+}
+
+/// The member that asks a chat stream for its usage.
+const INCLUDE_USAGE_MEMBER: &[u8] = br#""stream_options":{"include_usage":true}"#;
+
+/// `object` (the bytes of a JSON object, as parsed already, trailing
+/// whitespace allowed) with `member` (`"key":value`) added last; `None` when
+/// the bytes do not end the way a JSON object does.
+fn with_last_member(object: &[u8], member: &[u8]) -> Option<Bytes> {
+    let close = object.iter().rposition(|b| !b.is_ascii_whitespace())?;
+    if object[close] != b'}' {
+        return None;
+    }
+    let before = object[..close]
+        .iter()
+        .rposition(|b| !b.is_ascii_whitespace())?;
+    let mut out = Vec::with_capacity(object.len() + member.len() + 1);
+    out.extend_from_slice(&object[..close]);
+    if object[before] != b'{' {
+        out.push(b',');
+    }
+    out.extend_from_slice(member);
+    out.extend_from_slice(&object[close..]);
+    Some(Bytes::from(out))
 }
 
 impl Prepared {
@@ -976,5 +1006,38 @@ pub(crate) async fn refund(state: &AppState, id: ReservationId) {
 async fn pause(ms: u64) {
     if ms > 0 {
         tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_member_is_added_last_to_any_object() {
+        let member = r#""stream_options":{"include_usage":true}"#;
+        for (given, want) in [
+            ("{}".to_owned(), format!("{{{member}}}")),
+            (" { } \n".to_owned(), format!(" {{ {member}}} \n")),
+            (r#"{"a":1}"#.to_owned(), format!(r#"{{"a":1,{member}}}"#)),
+            (
+                "{\"a\": {\"b\": \"}\"}\n}\r\n".to_owned(),
+                format!("{{\"a\": {{\"b\": \"}}\"}}\n,{member}}}\r\n"),
+            ),
+        ] {
+            let got = with_last_member(given.as_bytes(), INCLUDE_USAGE_MEMBER).unwrap();
+            let got = std::str::from_utf8(&got).unwrap();
+            assert_eq!(got, want, "{given:?}");
+            // The JSON is the object plus the member.
+            let mut expected: Value = serde_json::from_str(&given).unwrap();
+            expected["stream_options"] = serde_json::json!({"include_usage": true});
+            assert_eq!(serde_json::from_str::<Value>(got).unwrap(), expected);
+        }
+        for not_an_object in ["[]", "\"x\"", "", "  ", "}"] {
+            assert!(
+                with_last_member(not_an_object.as_bytes(), INCLUDE_USAGE_MEMBER).is_none(),
+                "{not_an_object:?}"
+            );
+        }
     }
 }
