@@ -5,6 +5,7 @@
 //! wall (or Redis `TIME`), in tests a [`ManualClock`], so one conformance
 //! suite drives every store the same way.
 
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -172,18 +173,78 @@ fn known_dimensions(c: &Catalog, plan: &Plan) -> Result<(), AdminError> {
     Ok(())
 }
 
+/// When a change a store has applied is durable: see
+/// [`Store::reserve_decided`].
+#[must_use = "a decided change is acknowledged only once durable"]
+pub struct Durable(Option<DurableWait>);
+
+/// The wait behind a pending [`Durable`].
+type DurableWait = Pin<Box<dyn Future<Output = Result<(), Unavailable>> + Send>>;
+
+impl Durable {
+    /// Durable already.
+    pub fn now() -> Durable {
+        Durable(None)
+    }
+
+    /// Durable when `wait` resolves `Ok`; never, if it fails.
+    pub fn when(wait: impl Future<Output = Result<(), Unavailable>> + Send + 'static) -> Durable {
+        Durable(Some(Box::pin(wait)))
+    }
+
+    /// Waits until the change is durable; `Err` when it never will be (the
+    /// store failed: treat the change as an unavailable store's).
+    pub async fn wait(self) -> Result<(), Unavailable> {
+        match self.0 {
+            Some(wait) => wait.await,
+            None => Ok(()),
+        }
+    }
+}
+
+impl std::fmt::Debug for Durable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Durable(pending)"
+        } else {
+            "Durable(now)"
+        })
+    }
+}
+
 /// What a server needs from a ledger store. Every operation is atomic and
 /// linearizable; time and ids come from the store.
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
     /// Holds `req.amounts` on every scope, all or nothing (or answers a dry run).
     async fn reserve(&self, req: &ReserveRequest) -> Result<Granted, StoreError<ReserveError>>;
+    /// [`Store::reserve`], answered as soon as the ledger has decided: the
+    /// reservation is durable when the returned [`Durable`] resolves (at
+    /// once, by default: a store that answers only when durable). For a
+    /// caller that acknowledges nothing before awaiting it — the gateway
+    /// awaits it before passing a provider's answer on — and so may
+    /// overlap a log's fsync with its own work.
+    async fn reserve_decided(
+        &self,
+        req: &ReserveRequest,
+    ) -> Result<(Granted, Durable), StoreError<ReserveError>> {
+        self.reserve(req).await.map(|g| (g, Durable::now()))
+    }
     /// Records usage and releases the hold; idempotent.
     async fn settle(
         &self,
         id: ReservationId,
         usage: &Usage,
     ) -> Result<Reservation, StoreError<SettleError>>;
+    /// [`Store::settle`], answered as soon as the ledger has applied it
+    /// (later operations see it); durable when the [`Durable`] resolves.
+    async fn settle_decided(
+        &self,
+        id: ReservationId,
+        usage: &Usage,
+    ) -> Result<(Reservation, Durable), StoreError<SettleError>> {
+        self.settle(id, usage).await.map(|r| (r, Durable::now()))
+    }
     /// Releases the hold, records nothing; idempotent.
     async fn refund(&self, id: ReservationId) -> Result<Reservation, StoreError<RefundError>>;
     /// Raises the hold and/or pushes the expiry out.

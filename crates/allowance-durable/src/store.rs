@@ -5,10 +5,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use allowance_core::{
-    AdminError, Amounts, Catalog, CatalogChange, Clock, Committed, Dimension, ExtendError, Granted,
-    IdSource, Journal, MAX_USAGE_PAGE, RefundError, Reservation, ReservationId, ReserveError,
-    ReserveRequest, ScopeKey, ScopeStatus, SettleError, SharedLedger, Store, StoreError,
-    StoreStats, Timestamp, Unavailable, Usage, UsageEvent, UsagePage, UsageRecord,
+    AdminError, Amounts, Catalog, CatalogChange, Clock, Committed, Dimension, Durable, ExtendError,
+    Granted, IdSource, Journal, MAX_USAGE_PAGE, RefundError, Reservation, ReservationId,
+    ReserveError, ReserveRequest, ScopeKey, ScopeStatus, SettleError, SharedLedger, Store,
+    StoreError, StoreStats, Timestamp, Unavailable, Usage, UsageEvent, UsagePage, UsageRecord,
 };
 use allowance_wal::{FileSystem, Lsn, ReplayProgress, TornTail, Wal, WalError, WalOptions};
 use async_trait::async_trait;
@@ -855,6 +855,48 @@ impl Store for DurableStore {
             }
             (Err(e), _) => Err(StoreError::Rejected(e)),
         }
+    }
+
+    async fn reserve_decided(
+        &self,
+        req: &ReserveRequest,
+    ) -> Result<(Granted, Durable), StoreError<ReserveError>> {
+        let live = self.inner.live()?;
+        let id = ReservationId::mint(self.inner.ids.next_random(), req.scopes.tenant_name());
+        let (r, ticket) =
+            live.ledger
+                .reserve_journaled(self.inner.clock.now(), id, req, &WalJournal(&live));
+        let this = self.clone();
+        match (r, ticket) {
+            (Ok(g), Some(t)) => Ok((
+                g,
+                Durable::when(async move { this.durable(&live, t).await }),
+            )),
+            (Ok(g), None) if g.replayed => Ok((
+                g,
+                Durable::when(async move { this.settled_so_far(&live).await }),
+            )),
+            // A dry run changes nothing.
+            (Ok(g), None) => Ok((g, Durable::now())),
+            (Err(e), _) => Err(StoreError::Rejected(e)),
+        }
+    }
+
+    async fn settle_decided(
+        &self,
+        id: ReservationId,
+        usage: &Usage,
+    ) -> Result<(Reservation, Durable), StoreError<SettleError>> {
+        let live = self.inner.live()?;
+        let (r, t) = live
+            .ledger
+            .settle_journaled(self.inner.clock.now(), id, usage, &WalJournal(&live))
+            .map_err(StoreError::Rejected)?;
+        let this = self.clone();
+        Ok((
+            r,
+            Durable::when(async move { this.durable(&live, t).await }),
+        ))
     }
 
     async fn settle(

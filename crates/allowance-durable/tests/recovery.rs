@@ -482,7 +482,20 @@ fn faults_below_the_log_lose_nothing_acknowledged() {
                     model: false,
                 },
             );
-            let id = match store.reserve(&req).await {
+            // Half the rounds answer once decided, acknowledged once durable.
+            let reserved = if round % 2 == 0 {
+                store.reserve(&req).await
+            } else {
+                match store.reserve_decided(&req).await {
+                    Ok((g, durable)) => durable
+                        .wait()
+                        .await
+                        .map(|()| g)
+                        .map_err(StoreError::Unavailable),
+                    Err(e) => Err(e),
+                }
+            };
+            let id = match reserved {
                 Ok(g) => {
                     acked.reserved.push(g.id);
                     Some(g.id)
@@ -505,7 +518,19 @@ fn faults_below_the_log_lose_nothing_acknowledged() {
                         Err(e) => panic!("round {round}: refund refused {e}"),
                     }
                 } else if round % 5 != 1 {
-                    match store.settle(id, &usage).await {
+                    let settled = if round % 3 == 0 {
+                        store.settle(id, &usage).await
+                    } else {
+                        match store.settle_decided(id, &usage).await {
+                            Ok((r, durable)) => durable
+                                .wait()
+                                .await
+                                .map(|()| r)
+                                .map_err(StoreError::Unavailable),
+                            Err(e) => Err(e),
+                        }
+                    };
+                    match settled {
                         Ok(r) => acked.settled.push((id, r)),
                         Err(StoreError::Unavailable(_)) => unavailable += 1,
                         Err(e) => panic!("round {round}: settle refused {e}"),

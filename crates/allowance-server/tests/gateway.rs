@@ -358,6 +358,9 @@ async fn input_estimates_equal_the_upstreams_count_on_every_fixture() {
                 );
             }
             checked.push((format!("{name} ({variant})"), reported));
+            // A stream settles after its last byte: wait for its record, so
+            // the log keeps the calls' order.
+            gw.wait_caller_records(checked.len()).await;
         }
     }
     for family in ["chat_", "responses_", "anthropic_"] {

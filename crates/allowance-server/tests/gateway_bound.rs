@@ -230,3 +230,90 @@ async fn a_long_stream_broken_off_at_once_is_charged_its_exact_count() {
     assert_eq!(amount(settled[0], "charged", "output_tokens"), 1);
     assert_eq!(gw.limit(BOB, "tokens").await, (input + 1, 0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_whose_holds_never_become_durable_is_not_passed_on() {
+    use allowance_durable::{DurableOptions, DurableStore};
+    use allowance_wal::{FaultyFs, FileSystem};
+    use std::sync::Arc;
+
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let faulty = FaultyFs::new();
+    let fs: Arc<dyn FileSystem> = Arc::new(faulty.clone());
+    let path = dir.path().to_owned();
+    let gw = Gw::start_on(Setup::new("undurable"), |catalog| async move {
+        let (store, _) = DurableStore::open(
+            catalog,
+            DurableOptions::new(&path),
+            fs,
+            Arc::new(allowance_server::SystemClock::default()),
+            Arc::new(allowance_server::RandomIds),
+            |_| {},
+        )
+        .await
+        .expect("the store opens");
+        let store: Arc<dyn allowance_core::Store> = Arc::new(store);
+        store
+    })
+    .await;
+
+    // On a working disk: held, durable while the call ran, passed on.
+    let first = chat("Hello.", 20);
+    let r = gw.call("/v1/chat/completions", &first).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+
+    // Its settle becomes durable after its answer: a reserve answered
+    // (durable) now means everything logged before it is durable too, so
+    // the fault below hits the next call's holds, not that settle.
+    let r = read(
+        gw.client
+            .post(gw.url("/v1/reservations"))
+            .json(&json!({"tenant": "acme", "amounts": {"requests": 1}})),
+    )
+    .await;
+    assert_eq!(r.status, 201, "{}", r.text);
+
+    // The log's next fsync fails: the call's holds never become durable,
+    // so its answer is not passed on as if counted.
+    faulty.fail_sync(1);
+    let failed = chat("Hello again.", 20);
+    let r = gw.call("/v1/chat/completions", &failed).await;
+    assert_eq!(r.status, 503, "{}", r.text);
+    assert!(
+        r.json()["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("could not record")),
+        "{}",
+        r.text
+    );
+
+    // The store rebuilds from its data dir and serves again.
+    faulty.recover();
+    let last = chat("Back?", 20);
+    let started = Instant::now();
+    loop {
+        let r = gw.call("/v1/chat/completions", &last).await;
+        if r.status == 200 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the store never served again: {} {}",
+            r.status,
+            r.text
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The failed call's reserve was lost with the log, or came back with
+    // it: then it was settled as reserved (the stub writes all 20 tokens
+    // asked for: the same figure), or is held until it expires. Never
+    // counted twice, never charged past its hold.
+    let tokens = |body: &Value| stub_chat_tokens(body) + 20;
+    let ok = tokens(&first) + tokens(&last);
+    let f = tokens(&failed);
+    let (used, held) = gw.limit(BOB, "tokens").await;
+    assert!(
+        [(ok, 0), (ok + f, 0), (ok, f)].contains(&(used, held)),
+        "used {used}, held {held}: the calls that passed on use {ok}, the failed one {f}"
+    );
+}

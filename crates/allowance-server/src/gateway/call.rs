@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use allowance_config::{DEFAULT_MAX_OUTPUT_TOKENS, GATEWAY_TENANT, GatewayKey, UPSTREAM_KIND};
 use allowance_core::{
-    Amounts, Catalog, Dimension, Granted, ReservationId, ReserveError, ReserveRequest, StoreError,
-    Usage,
+    Amounts, Catalog, Dimension, Durable, Granted, ReservationId, ReserveError, ReserveRequest,
+    StoreError, Usage,
 };
 use allowance_estimate::{Api, Estimate, Tokenizer};
 use axum::body::Body;
@@ -433,10 +433,12 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
             } else {
                 // The bound does not fit (or must wait): a refusal must
                 // be for the call's true size, so count first, as any.
-                if let Ok(g) = &granted {
+                // (A refund is logged after the reserve it ends: no need to
+                // wait for the reserve's own durability.)
+                if let Ok((g, _)) = &granted {
                     refund(&state, g.id).await;
                 }
-                if let Some((permit, id)) = first {
+                if let Some((permit, id, _)) = first {
                     drop(permit);
                     refund(&state, id).await;
                 }
@@ -447,10 +449,10 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
             }
         }
     };
-    let granted = match granted {
+    let (granted, tenant_durable) = match granted {
         Ok(g) => g,
         Err(e) => {
-            if let Some((permit, id)) = first {
+            if let Some((permit, id, _)) = first {
                 drop(permit);
                 refund(&state, id).await;
             }
@@ -458,12 +460,23 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
             return e.respond(p.flavor, HeaderMap::new());
         }
     };
+    let mut durables = vec![tenant_durable];
+    let first = first.map(|(permit, id, durable)| {
+        durables.push(durable);
+        (permit, id)
+    });
     // The caller's hold lives as long as the call, however long the
     // provider takes (a renewed lease, not a long TTL: a crashed gateway's
     // holds still expire soon).
     let lease = Lease::start(&state, &p, granted.id);
     let rate_headers = ratelimit_headers(&granted.remaining, state.now(), p.flavor);
-    let (outcome, retried) = attempts(&state, &p, first).await;
+    // The holds become durable while the call goes upstream; nothing is
+    // passed on before they are.
+    let ((outcome, retried), durable) =
+        tokio::join!(attempts(&state, &p, first), all_durable(durables));
+    if let Err(e) = durable {
+        return undurable(&state, &p, granted.id, lease, outcome, e).await;
+    }
     let mut extra = rate_headers;
     if retried {
         // The gateway retried already: the SDK must not multiply that.
@@ -518,6 +531,38 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
     }
 }
 
+/// The store could not make the call's holds durable (its log failed; it
+/// is rebuilding from its data dir): the call is not passed on — nothing
+/// may look counted that is not — and what it used is settled as reserved
+/// once the store serves again (never free).
+async fn undurable(
+    state: &AppState,
+    p: &Prepared,
+    tenant_id: ReservationId,
+    lease: Lease,
+    outcome: Attempt,
+    e: allowance_core::Unavailable,
+) -> Response {
+    drop(lease);
+    match outcome {
+        Attempt::Answered(resp, attempt_id, permit) => {
+            drop(resp);
+            drop(permit);
+            let as_reserved = estimated_usage(p, p.output_reserved);
+            tokio::join!(
+                settle_attempt(state, attempt_id, None),
+                settle(state, p, tenant_id, &as_reserved)
+            );
+        }
+        Attempt::Failed(_) | Attempt::NoAnswer(_) | Attempt::Refused(_) => {
+            refund(state, tenant_id).await;
+        }
+    }
+    count_call(p.api, "store_failed");
+    GatewayError::unavailable(format!("the store could not record the call: {e}"))
+        .respond(p.flavor, HeaderMap::new())
+}
+
 /// The caller's reservation: answered at once (the SDK retries a 429
 /// after its `retry-after`).
 /// `count_denial`: false for a try on a bound, which a refusal does not end.
@@ -525,8 +570,8 @@ async fn reserve_tenant(
     state: &AppState,
     p: &Prepared,
     count_denial: bool,
-) -> Result<Granted, GatewayError> {
-    match admit(state, &p.catalog, &p.tenant_req, 0, 0, None).await {
+) -> Result<(Granted, Durable), GatewayError> {
+    match reserve_at_once(state, &p.tenant_req).await {
         Ok(Ok(g)) => Ok(g),
         Ok(Err(StoreError::Rejected(ReserveError::Denied(d)))) => {
             if count_denial {
@@ -544,6 +589,28 @@ async fn reserve_tenant(
             "the store did not answer in time",
         )),
     }
+}
+
+/// A reserve that does not wait — so the admission queue's waiters keep
+/// their turn, as in [`admit`] — answered once the ledger decided: its
+/// durability is awaited before anything is passed on, meanwhile the call
+/// goes upstream (a durable store's fsync off the call's path).
+async fn reserve_at_once(
+    state: &AppState,
+    req: &ReserveRequest,
+) -> Result<Result<(Granted, Durable), StoreError<ReserveError>>, crate::error::ApiError> {
+    if let Some(d) = state.queue().blocking(req) {
+        return Ok(Err(StoreError::Rejected(ReserveError::Denied(d))));
+    }
+    state.call(state.store().reserve_decided(req)).await
+}
+
+/// Waits until every change is durable.
+async fn all_durable(durables: Vec<Durable>) -> Result<(), allowance_core::Unavailable> {
+    for d in futures_util::future::join_all(durables.into_iter().map(Durable::wait)).await {
+        d?;
+    }
+    Ok(())
 }
 
 /// Upstream attempts until one answers for good: 429s wait the shared
@@ -685,15 +752,14 @@ async fn schedule(
 /// The first attempt's place upstream when it is free now: no backoff, a
 /// free place in the gate, room on `upstream:<name>` at once. `None` sends
 /// the call through [`schedule`], which waits.
-async fn schedule_now(state: &AppState, p: &Prepared) -> Option<(Permit, ReservationId)> {
+async fn schedule_now(state: &AppState, p: &Prepared) -> Option<(Permit, ReservationId, Durable)> {
     let up = &p.upstream;
     if up.backoff_until().is_some() {
         return None;
     }
     let permit = up.try_acquire()?;
-    let req = &p.attempt_req;
-    match admit(state, &p.catalog, req, 0, 0, Some(&p.tenant)).await {
-        Ok(Ok(g)) => Some((permit, g.id)),
+    match reserve_at_once(state, &p.attempt_req).await {
+        Ok(Ok((g, durable))) => Some((permit, g.id, durable)),
         _ => None,
     }
 }
@@ -825,10 +891,7 @@ async fn finish_whole(
         // No usage to read: charged as reserved, never free.
         None => estimated_usage(p, p.output_reserved),
     };
-    tokio::join!(
-        settle_attempt(state, attempt_id, Some(&usage)),
-        settle(state, p, tenant_id, &usage)
-    );
+    settle_whole(state, p, tenant_id, attempt_id, &usage).await;
     count_call(p.api, "ok");
     let mut r = Response::new(Body::from(body));
     *r.status_mut() = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::OK);
@@ -941,16 +1004,16 @@ fn model_label(p: &Prepared) -> String {
 async fn end_with_retries<T, E: std::fmt::Display, F>(
     state: &AppState,
     op: impl Fn() -> F,
-) -> Result<(), Option<String>>
+) -> Result<T, Option<String>>
 where
     F: std::future::Future<Output = Result<T, StoreError<E>>>,
 {
     for delay_ms in [0u64, 50, 500, 2000] {
         pause(delay_ms).await;
         match state.call(op()).await {
-            Ok(Ok(_)) => {
+            Ok(Ok(t)) => {
                 state.queue().kick();
-                return Ok(());
+                return Ok(t);
             }
             Ok(Err(StoreError::Unavailable(_))) | Err(_) => continue,
             Ok(Err(e)) => return Err(Some(e.to_string())),
@@ -962,7 +1025,7 @@ where
 /// Settles the caller's reservation.
 pub(crate) async fn settle(state: &AppState, p: &Prepared, id: ReservationId, usage: &Usage) {
     match end_with_retries(state, || state.store().settle(id, usage)).await {
-        Ok(()) => {}
+        Ok(_) => {}
         Err(Some(e)) => {
             tracing::warn!(reservation = %id, model = %p.model, error = %e, "gateway settle refused")
         }
@@ -989,6 +1052,47 @@ pub(crate) async fn settle_attempt(
     {
         tracing::warn!(reservation = %id, "gateway: an upstream attempt's settle failed; its hold will expire");
     }
+}
+
+/// A whole answer's settles, applied before it is passed on (the client's
+/// next call sees them) and made durable after: an answer already paid
+/// for upstream gains nothing from waiting for an fsync. A failed log is
+/// reported; the store then rebuilds from its data dir without them.
+async fn settle_whole(
+    state: &AppState,
+    p: &Prepared,
+    tenant_id: ReservationId,
+    attempt_id: Option<ReservationId>,
+    usage: &Usage,
+) {
+    let caller = async {
+        match end_with_retries(state, || state.store().settle_decided(tenant_id, usage)).await {
+            Ok((_, durable)) => Some(durable),
+            Err(e) => {
+                tracing::error!(reservation = %tenant_id, model = %p.model, error = ?e,
+                    "gateway settle failed; the hold will expire and the usage is not recorded");
+                None
+            }
+        }
+    };
+    let attempt = async {
+        let id = attempt_id?;
+        match end_with_retries(state, || state.store().settle_decided(id, usage)).await {
+            Ok((_, durable)) => Some(durable),
+            Err(_) => {
+                tracing::warn!(reservation = %id, "gateway: an upstream attempt's settle failed; its hold will expire");
+                None
+            }
+        }
+    };
+    let (caller, attempt) = tokio::join!(caller, attempt);
+    let durables: Vec<Durable> = caller.into_iter().chain(attempt).collect();
+    tokio::spawn(async move {
+        if let Err(e) = all_durable(durables).await {
+            tracing::error!(reservation = %tenant_id, error = %e,
+                "gateway settle not durable: the store's log failed after the answer was passed on");
+        }
+    });
 }
 
 /// Refunds a reservation (a failed call costs its caller nothing).

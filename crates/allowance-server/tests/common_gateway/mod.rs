@@ -300,6 +300,24 @@ pub fn stub_chat_tokens(body: &Value) -> u64 {
 impl Gw {
     /// Starts a stub and a gateway configured by `setup`.
     pub async fn start(setup: Setup) -> Gw {
+        Gw::start_on(setup, |catalog| async move {
+            let store: Arc<dyn allowance_core::Store> = Arc::new(EmbeddedStore::new(
+                catalog,
+                16,
+                Arc::new(SystemClock::default()),
+                Arc::new(RandomIds),
+            ));
+            store
+        })
+        .await
+    }
+
+    /// [`Gw::start`] on the store `make_store` builds from the catalog.
+    pub async fn start_on<F, Fut>(setup: Setup, make_store: F) -> Gw
+    where
+        F: FnOnce(allowance_core::Catalog) -> Fut,
+        Fut: std::future::Future<Output = Arc<dyn allowance_core::Store>>,
+    {
         let stub = Stub::spawn("127.0.0.1:0".parse().expect("an address"))
             .await
             .expect("the stub starts");
@@ -312,12 +330,7 @@ impl Gw {
             (name == "GW_TEST_UPSTREAM_KEY").then(|| UPSTREAM_KEY.to_string())
         })
         .expect("the gateway resolves");
-        let store = Arc::new(EmbeddedStore::new(
-            config.catalog.clone(),
-            16,
-            Arc::new(SystemClock::default()),
-            Arc::new(RandomIds),
-        ));
+        let store = make_store(config.catalog.clone()).await;
         let options = Options {
             gateway: Some(Arc::new(gateway)),
             sweep_interval: Duration::from_millis(50),
