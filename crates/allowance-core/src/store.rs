@@ -192,6 +192,11 @@ impl Durable {
         Durable(Some(Box::pin(wait)))
     }
 
+    /// Whether there is nothing to wait for.
+    pub fn is_now(&self) -> bool {
+        self.0.is_none()
+    }
+
     /// Waits until the change is durable; `Err` when it never will be (the
     /// store failed: treat the change as an unavailable store's).
     pub async fn wait(self) -> Result<(), Unavailable> {

@@ -6,21 +6,22 @@
 //! (Not tokio's blocking pool: a thread's priority can be lowered but not
 //! raised again without privileges, and that pool runs waited-for work.)
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{LazyLock, Mutex};
 
+use allowance_estimate::Tokenizer;
 use thread_priority::{ThreadPriority, ThreadPriorityValue};
 use tokio::sync::oneshot;
 
 type Job = Box<dyn FnOnce() + Send + 'static>;
 
-/// Threads of the pool: counting is CPU-bound; more than the cores would
-/// only queue in the kernel instead of here.
+/// Threads of the pool: one. The tokenizers' regexes share one cache pool
+/// per regex, whose fast path belongs to a single thread (the first to use
+/// it); every other thread takes a lock per match, a third of a 32K-token
+/// count (measured). One owning thread counts faster than two that share.
 fn threads() -> usize {
-    std::thread::available_parallelism()
-        .map(usize::from)
-        .unwrap_or(1)
-        .min(4)
+    1
 }
 
 /// `ThreadPriorityValue` 25 maps to nice ~9 on Linux (0 is nice 19, 99 is
@@ -30,8 +31,11 @@ const BACKGROUND_PRIORITY: u8 = 25;
 static POOL: LazyLock<Mutex<mpsc::Sender<Job>>> = LazyLock::new(|| {
     let (tx, rx) = mpsc::channel::<Job>();
     let rx = std::sync::Arc::new(Mutex::new(rx));
+    let (ready_tx, ready_rx) = mpsc::channel::<()>();
+    let mut started = 0;
     for i in 0..threads() {
         let rx = rx.clone();
+        let ready = ready_tx.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("allowance-background-{i}"))
             .spawn(move || {
@@ -43,6 +47,14 @@ static POOL: LazyLock<Mutex<mpsc::Sender<Job>>> = LazyLock::new(|| {
                     // Still correct, only not deferential: say so once.
                     tracing::debug!(error = ?e, "background thread keeps the normal priority");
                 }
+                // The tokenizers' regexes keep a cache pool whose fast path
+                // belongs to the first thread to use it; every other thread
+                // takes a lock per match (a third of a 32K-token count,
+                // measured). Counting is this pool's work: it goes first.
+                for t in [Tokenizer::O200kBase, Tokenizer::Cl100kBase] {
+                    t.count("warm up: the first use claims the fast path");
+                }
+                let _ = ready.send(());
                 loop {
                     // The lock is held only to take a job, never to run it.
                     let job = match rx.lock() {
@@ -55,34 +67,61 @@ static POOL: LazyLock<Mutex<mpsc::Sender<Job>>> = LazyLock::new(|| {
                     }
                 }
             });
-        if let Err(e) = spawned {
-            tracing::warn!(error = %e, "cannot start a background thread");
+        match spawned {
+            Ok(_) => started += 1,
+            Err(e) => tracing::warn!(error = %e, "cannot start a background thread"),
         }
+    }
+    for _ in 0..started {
+        let _ = ready_rx.recv();
     }
     Mutex::new(tx)
 });
 
-/// Runs `f` on a background thread; its result comes on the receiver (an
-/// error if the job could not run: the pool has no thread, or `f`
-/// panicked — the thread survives that).
-pub(crate) fn spawn<T, F>(f: F) -> oneshot::Receiver<T>
+/// Starts the pool now (a server calls it at start-up, before any count):
+/// its threads then own the tokenizers' fast paths.
+pub(crate) fn start() {
+    LazyLock::force(&POOL);
+}
+
+/// Jobs queued or running past which [`try_spawn`] refuses: the queue must
+/// not grow without bound (each job holds a request body) when long
+/// prompts come faster than one thread counts them (~3 ms per 32K tokens).
+pub(crate) const MAX_PENDING_JOBS: usize = 32;
+
+static PENDING: AtomicUsize = AtomicUsize::new(0);
+
+/// Runs `f(input)` on the background thread; its result comes on the
+/// receiver (an error if the job could not run: the pool has no thread, or
+/// `f` panicked — the thread survives that). When [`MAX_PENDING_JOBS`] are
+/// queued already, `Err(input)`: the caller does the work itself.
+pub(crate) fn try_spawn<V, T, F>(input: V, f: F) -> Result<oneshot::Receiver<T>, V>
 where
+    V: Send + 'static,
     T: Send + 'static,
-    F: FnOnce() -> T + Send + 'static,
+    F: FnOnce(V) -> T + Send + 'static,
 {
+    if PENDING.fetch_add(1, Ordering::AcqRel) >= MAX_PENDING_JOBS {
+        PENDING.fetch_sub(1, Ordering::AcqRel);
+        return Err(input);
+    }
     let (tx, rx) = oneshot::channel();
     let job: Job = Box::new(move || {
         // A panic drops the sender (the receiver errs), not the thread.
-        if let Ok(v) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(input)));
+        PENDING.fetch_sub(1, Ordering::AcqRel);
+        if let Ok(v) = result {
             let _ = tx.send(v);
         }
     });
-    if let Ok(pool) = POOL.lock() {
-        // A send fails only when every thread is gone: the job is dropped
-        // with its sender, and the receiver says so.
-        let _ = pool.send(job);
+    if let Ok(pool) = POOL.lock()
+        && pool.send(job).is_err()
+    {
+        // Every thread is gone: the job was dropped with its sender, and
+        // the receiver says so.
+        PENDING.fetch_sub(1, Ordering::AcqRel);
     }
-    rx
+    Ok(rx)
 }
 
 #[cfg(test)]
@@ -91,27 +130,29 @@ mod tests {
 
     #[tokio::test]
     async fn runs_jobs_and_survives_a_panicking_one() {
-        let answers: Vec<_> = (0..16u64).map(|i| spawn(move || i * i)).collect();
+        let answers: Vec<_> = (0..16u64)
+            .map(|i| try_spawn(i, |i| i * i).unwrap())
+            .collect();
         for (i, rx) in answers.into_iter().enumerate() {
             assert_eq!(rx.await.unwrap(), (i * i) as u64);
         }
-        // A panic ends that job (its receiver errs), not its thread: more
-        // panics than threads, and the pool still answers.
-        for _ in 0..2 * threads() {
-            let failed = spawn(|| -> u64 { panic!("a job that fails") });
+        // A panic ends that job (its receiver errs), not its thread.
+        for _ in 0..3 {
+            let failed = try_spawn((), |()| -> u64 { panic!("a job that fails") }).unwrap();
             assert!(failed.await.is_err());
         }
-        assert_eq!(spawn(|| 7).await.unwrap(), 7);
+        assert_eq!(try_spawn((), |()| 7).unwrap().await.unwrap(), 7);
     }
 
     #[test]
     fn its_threads_run_at_a_lower_priority() {
-        let rx = spawn(|| {
+        let rx = try_spawn((), |()| {
             (
                 std::fs::read_to_string("/proc/thread-self/stat").unwrap_or_default(),
                 std::thread::current().name().map(str::to_owned),
             )
-        });
+        })
+        .unwrap();
         let (stat, name) = rx.blocking_recv().unwrap();
         // Field 19 of /proc/<tid>/stat is the nice value; the fields after
         // the `(comm)` one start at field 3.
@@ -128,5 +169,36 @@ mod tests {
         if cfg!(target_os = "linux") {
             assert!(nice > 0, "nice {nice}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_full_queue_refuses_and_frees_as_jobs_end() {
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+        let release_rx = std::sync::Arc::new(Mutex::new(release_rx));
+        let mut held = Vec::new();
+        // Fill the queue with jobs that wait to be released (other tests
+        // may hold a few places too: fill until refused).
+        loop {
+            let rx = release_rx.clone();
+            match try_spawn(rx, |rx| {
+                let _ = rx.lock().map(|r| r.recv());
+            }) {
+                Ok(job) => held.push(job),
+                Err(_) => break,
+            }
+            assert!(held.len() <= MAX_PENDING_JOBS, "never refused");
+        }
+        assert_eq!(try_spawn(1, |v| v).err(), Some(1), "full: the input back");
+        for _ in &held {
+            let _ = release_tx.send(());
+        }
+        for job in held {
+            job.await.unwrap();
+        }
+        assert_eq!(
+            try_spawn((), |()| 2).unwrap().await.unwrap(),
+            2,
+            "room again"
+        );
     }
 }

@@ -319,10 +319,12 @@ impl Prepared {
 pub(crate) type Counting =
     tokio::sync::oneshot::Receiver<Result<Estimate, allowance_estimate::BadRequest>>;
 
-/// Counts `json` exactly on a low-priority background thread: nobody waits
-/// for it.
-fn count_in_background(api: Api, tokenizer: Tokenizer, json: Value) -> Counting {
-    super::background::spawn(move || allowance_estimate::estimate(api, &json, tokenizer))
+/// Counts `json` exactly on the low-priority background thread: nobody
+/// waits for it. `Err(json)` when its queue is full.
+fn count_in_background(api: Api, tokenizer: Tokenizer, json: Value) -> Result<Counting, Value> {
+    super::background::try_spawn(json, move |json| {
+        allowance_estimate::estimate(api, &json, tokenizer)
+    })
 }
 
 /// Counts `json` exactly on a blocking thread, for a call that waits.
@@ -426,26 +428,36 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
         Some(json) => {
             let (granted, first) =
                 tokio::join!(reserve_tenant(&state, &p, false), schedule_now(&state, &p));
-            if granted.is_ok() && first.is_some() {
-                // Held on the bound, with a place upstream: go, and count.
-                counting = Some(count_in_background(p.api, p.tokenizer, json));
-                (granted, first)
+            let later = if granted.is_ok() && first.is_some() {
+                // Held on the bound, with a place upstream: go, and count
+                // meanwhile — unless the background queue is full.
+                count_in_background(p.api, p.tokenizer, json)
             } else {
-                // The bound does not fit (or must wait): a refusal must
-                // be for the call's true size, so count first, as any.
-                // (A refund is logged after the reserve it ends: no need to
-                // wait for the reserve's own durability.)
-                if let Ok((g, _)) = &granted {
-                    refund(&state, g.id).await;
+                Err(json)
+            };
+            match later {
+                Ok(c) => {
+                    counting = Some(c);
+                    (granted, first)
                 }
-                if let Some((permit, id, _)) = first {
-                    drop(permit);
-                    refund(&state, id).await;
+                Err(json) => {
+                    // The bound does not fit (or must wait, or the background
+                    // is busy): a refusal must be for the call's true size, so
+                    // count first, as any call.
+                    // (A refund is logged after the reserve it ends: no need to
+                    // wait for the reserve's own durability.)
+                    if let Ok((g, _)) = &granted {
+                        refund(&state, g.id).await;
+                    }
+                    if let Some((permit, id, _)) = first {
+                        drop(permit);
+                        refund(&state, id).await;
+                    }
+                    if let Some(n) = count_now(p.api, p.tokenizer, json).await {
+                        p.set_input_tokens(n);
+                    }
+                    tokio::join!(reserve_tenant(&state, &p, true), schedule_now(&state, &p))
                 }
-                if let Some(n) = count_now(p.api, p.tokenizer, json).await {
-                    p.set_input_tokens(n);
-                }
-                tokio::join!(reserve_tenant(&state, &p, true), schedule_now(&state, &p))
             }
         }
     };
@@ -1086,7 +1098,14 @@ async fn settle_whole(
         }
     };
     let (caller, attempt) = tokio::join!(caller, attempt);
-    let durables: Vec<Durable> = caller.into_iter().chain(attempt).collect();
+    let durables: Vec<Durable> = caller
+        .into_iter()
+        .chain(attempt)
+        .filter(|d| !d.is_now())
+        .collect();
+    if durables.is_empty() {
+        return;
+    }
     tokio::spawn(async move {
         if let Err(e) = all_durable(durables).await {
             tracing::error!(reservation = %tenant_id, error = %e,

@@ -101,6 +101,7 @@ impl Gateway {
         // Loading a tokenizer takes ~150 ms: at start, not in a first call.
         allowance_estimate::Tokenizer::O200kBase.warm_up();
         allowance_estimate::Tokenizer::Cl100kBase.warm_up();
+        background::start();
         let http = reqwest::Client::builder()
             .connect_timeout(call::CONNECT_TIMEOUT)
             .tcp_nodelay(true)
