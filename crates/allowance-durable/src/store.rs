@@ -585,11 +585,12 @@ fn replay_pipelined(
             Ok::<Replayer, (Lsn, String)>(replayer)
         });
         let mut batch = Vec::with_capacity(REPLAY_BATCH);
+        let mut decoder = record::Decoder::default();
         let mut tx = Some(tx);
         let read = wal.replay_with_progress(
             after,
             |lsn, bytes| {
-                batch.push((lsn, record::decode(bytes)?));
+                batch.push((lsn, decoder.decode(bytes)?));
                 if batch.len() == REPLAY_BATCH {
                     let full = std::mem::replace(&mut batch, Vec::with_capacity(REPLAY_BATCH));
                     // A closed channel: the applier stopped on an error,
