@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use allowance_core::{
     AdminError, Amounts, Catalog, CatalogChange, Clock, Committed, Dimension, Durable, ExtendError,
-    Granted, IdSource, Journal, MAX_USAGE_PAGE, RefundError, Reservation, ReservationId,
+    Granted, IdSource, Journal, MAX_USAGE_PAGE, NoJournal, RefundError, Reservation, ReservationId,
     ReserveError, ReserveRequest, ScopeKey, ScopeStatus, SettleError, SharedLedger, Store,
     StoreError, StoreStats, Timestamp, Unavailable, Usage, UsageEvent, UsagePage, UsageRecord,
 };
@@ -369,6 +369,10 @@ struct Replayer {
     /// records after it are appended as replay regenerates them.
     usage_wal: Wal,
     usage_upto: (Lsn, Option<u32>),
+    /// Whether the ledger reports expiries (for usage events): off while
+    /// replaying records whose events the usage log already holds, so none
+    /// pile up unreported; on from the first record it may lack events of.
+    reporting: bool,
     base: Option<Catalog>,
     overlay: Vec<CatalogChange>,
     skipped: Vec<String>,
@@ -386,7 +390,6 @@ impl Replayer {
     }
 
     fn apply(&mut self, lsn: Lsn, rec: Record) -> Result<(), String> {
-        let events = Collect::default();
         if self.base.is_none() && !matches!(rec, Record::Base(_)) {
             return Err(
                 "the log does not start with its configuration (a Base record): \
@@ -394,71 +397,154 @@ impl Replayer {
                     .to_owned(),
             );
         }
-        match rec {
+        let change = match rec {
             Record::Base(c) => {
                 self.skipped.clear();
                 let next = compose(&c, &self.overlay, &mut self.skipped);
                 self.ledger.replace_catalog(next);
                 self.base = Some(*c);
+                return Ok(());
             }
-            Record::Change(ch) => match ch {
-                Change::Reserve { now, id, req } => {
-                    match self.ledger.reserve_journaled(now, id, &req, &events).0 {
-                        Ok(g) if !g.replayed && !g.dry_run => {}
-                        Ok(_) => self.diverged(lsn, format!("reserve {id} answered a repeat")),
-                        Err(e) => self.diverged(lsn, format!("reserve {id} refused: {e}")),
-                    }
-                }
-                Change::Settle { now, id, usage } => {
-                    if let Err(e) = self.ledger.settle_journaled(now, id, &usage, &events) {
-                        self.diverged(lsn, format!("settle {id} refused: {e}"));
-                    }
-                }
-                Change::Refund { now, id } => {
-                    if let Err(e) = self.ledger.refund_journaled(now, id, &events) {
-                        self.diverged(lsn, format!("refund {id} refused: {e}"));
-                    }
-                }
-                Change::Extend {
-                    now,
-                    id,
-                    amounts,
-                    ttl_ms,
-                } => {
-                    if let Err(e) =
-                        self.ledger
-                            .extend_journaled(now, id, amounts.as_ref(), ttl_ms, &events)
-                    {
-                        self.diverged(lsn, format!("extend {id} refused: {e}"));
-                    }
-                }
-                Change::Adjust {
-                    now,
-                    scope,
-                    dimension,
-                    credit,
-                    reason,
-                } => {
-                    if let Err(e) = self
-                        .ledger
-                        .adjust_journaled(now, &scope, dimension, credit, &reason, &events)
-                    {
-                        self.diverged(lsn, format!("adjust {scope} refused: {e}"));
-                    }
-                }
-                Change::Tick { now } => {
-                    if self.ledger.tick_journaled(now, &events).is_none() {
-                        self.diverged(lsn, "a tick reported no expiry".to_owned());
-                    }
-                }
-                Change::Admin(change) => {
-                    match self.ledger.update_catalog(|c| change.apply(c)) {
-                        Ok(()) => {}
-                        Err(e) => self.diverged(lsn, format!("{} refused: {e}", describe(&change))),
-                    }
-                    record::push_overlay(&mut self.overlay, &change);
-                }
+            // A catalog change has no usage events either way.
+            Record::Change(Change::Admin(change)) => {
+                self.apply_admin(lsn, &change);
+                return Ok(());
+            }
+            Record::Change(change) => change,
+        };
+        // The usage log is written in the main log's order, so it holds
+        // every event of the records before the one it ends in.
+        if lsn < self.usage_upto.0 {
+            self.apply_state_only(lsn, change);
+            return Ok(());
+        }
+        if !self.reporting {
+            // Expiries observed from here on may be missing from the usage
+            // log: collect them, as the live ledger did, for each record's
+            // events. None is pending: reporting was off until now.
+            self.ledger.report_usage();
+            self.reporting = true;
+        }
+        self.apply_with_usage(lsn, change)
+    }
+
+    fn apply_admin(&mut self, lsn: Lsn, change: &CatalogChange) {
+        match self.ledger.update_catalog(|c| change.apply(c)) {
+            Ok(()) => {}
+            Err(e) => self.diverged(lsn, format!("{} refused: {e}", describe(change))),
+        }
+        record::push_overlay(&mut self.overlay, change);
+    }
+
+    /// Replays a change whose usage events the usage log already holds,
+    /// through the engine's plain calls: they change the state exactly as
+    /// the `*_journaled` ones, which only add the events (a copy of each
+    /// reservation that ended, here dropped unread). Expiry reporting is
+    /// still off (see `reporting`), so no expiry waits to be reported when
+    /// the first record with missing events comes.
+    fn apply_state_only(&mut self, lsn: Lsn, change: Change) {
+        match change {
+            Change::Reserve { now, id, req } => match self.ledger.reserve(now, id, &req) {
+                Ok(g) if !g.replayed && !g.dry_run => {}
+                Ok(_) => self.diverged(lsn, format!("reserve {id} answered a repeat")),
+                Err(e) => self.diverged(lsn, format!("reserve {id} refused: {e}")),
             },
+            Change::Settle { now, id, usage } => {
+                if let Err(e) = self.ledger.settle(now, id, &usage) {
+                    self.diverged(lsn, format!("settle {id} refused: {e}"));
+                }
+            }
+            Change::Refund { now, id } => {
+                if let Err(e) = self.ledger.refund(now, id) {
+                    self.diverged(lsn, format!("refund {id} refused: {e}"));
+                }
+            }
+            Change::Extend {
+                now,
+                id,
+                amounts,
+                ttl_ms,
+            } => {
+                if let Err(e) = self.ledger.extend(now, id, amounts.as_ref(), ttl_ms) {
+                    self.diverged(lsn, format!("extend {id} refused: {e}"));
+                }
+            }
+            Change::Adjust {
+                now,
+                scope,
+                dimension,
+                credit,
+                reason: _,
+            } => {
+                if let Err(e) = self.ledger.adjust(now, &scope, dimension, credit) {
+                    self.diverged(lsn, format!("adjust {scope} refused: {e}"));
+                }
+            }
+            Change::Tick { now } => {
+                // Every shard observes `now`, as the logged tick made them;
+                // with reporting off it finds nothing to report, which
+                // proves nothing here (its expiries are in the usage log).
+                let _ = self.ledger.tick_journaled(now, &NoJournal);
+            }
+            Change::Admin(change) => self.apply_admin(lsn, &change),
+        }
+    }
+
+    /// Replays a change whose usage events the usage log may lack, and
+    /// appends the missing ones.
+    fn apply_with_usage(&mut self, lsn: Lsn, change: Change) -> Result<(), String> {
+        let events = Collect::default();
+        match change {
+            Change::Reserve { now, id, req } => {
+                match self.ledger.reserve_journaled(now, id, &req, &events).0 {
+                    Ok(g) if !g.replayed && !g.dry_run => {}
+                    Ok(_) => self.diverged(lsn, format!("reserve {id} answered a repeat")),
+                    Err(e) => self.diverged(lsn, format!("reserve {id} refused: {e}")),
+                }
+            }
+            Change::Settle { now, id, usage } => {
+                if let Err(e) = self.ledger.settle_journaled(now, id, &usage, &events) {
+                    self.diverged(lsn, format!("settle {id} refused: {e}"));
+                }
+            }
+            Change::Refund { now, id } => {
+                if let Err(e) = self.ledger.refund_journaled(now, id, &events) {
+                    self.diverged(lsn, format!("refund {id} refused: {e}"));
+                }
+            }
+            Change::Extend {
+                now,
+                id,
+                amounts,
+                ttl_ms,
+            } => {
+                if let Err(e) =
+                    self.ledger
+                        .extend_journaled(now, id, amounts.as_ref(), ttl_ms, &events)
+                {
+                    self.diverged(lsn, format!("extend {id} refused: {e}"));
+                }
+            }
+            Change::Adjust {
+                now,
+                scope,
+                dimension,
+                credit,
+                reason,
+            } => {
+                if let Err(e) = self
+                    .ledger
+                    .adjust_journaled(now, &scope, dimension, credit, &reason, &events)
+                {
+                    self.diverged(lsn, format!("adjust {scope} refused: {e}"));
+                }
+            }
+            Change::Tick { now } => {
+                if self.ledger.tick_journaled(now, &events).is_none() {
+                    self.diverged(lsn, "a tick reported no expiry".to_owned());
+                }
+            }
+            Change::Admin(change) => self.apply_admin(lsn, &change),
         }
         // Events the usage log lacks (a crash came between the two logs'
         // writes) are appended now, in the order they first happened.
@@ -499,11 +585,12 @@ fn replay_pipelined(
             Ok::<Replayer, (Lsn, String)>(replayer)
         });
         let mut batch = Vec::with_capacity(REPLAY_BATCH);
+        let mut decoder = record::Decoder::default();
         let mut tx = Some(tx);
         let read = wal.replay_with_progress(
             after,
             |lsn, bytes| {
-                batch.push((lsn, record::decode(bytes)?));
+                batch.push((lsn, decoder.decode(bytes)?));
                 if batch.len() == REPLAY_BATCH {
                     let full = std::mem::replace(&mut batch, Vec::with_capacity(REPLAY_BATCH));
                     // A closed channel: the applier stopped on an error,
@@ -573,11 +660,11 @@ fn recover(
             0,
         ),
     };
-    ledger.report_usage();
     let replayer = Replayer {
         ledger,
         usage_wal,
         usage_upto,
+        reporting: false,
         base,
         overlay,
         skipped: Vec::new(),
@@ -589,11 +676,15 @@ fn recover(
         ledger,
         usage_wal,
         usage_upto: _,
+        reporting: _,
         base,
         overlay,
         skipped,
         divergences,
     } = replayer;
+    // The store reports expiries from now on, whether or not replay came
+    // to a record the usage log lacked.
+    ledger.report_usage();
     report.divergences = divergences;
     report.skipped_admin_changes = skipped;
     report.admin_changes = overlay.iter().map(describe).collect();
