@@ -233,6 +233,7 @@ async fn a_long_stream_broken_off_at_once_is_charged_its_exact_count() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_whose_holds_never_become_durable_is_not_passed_on() {
+    let _one_at_a_time = DURABLE_FAULTS.lock().await;
     use allowance_durable::{DurableOptions, DurableStore};
     use allowance_wal::{FaultyFs, FileSystem};
     use std::sync::Arc;
@@ -316,4 +317,184 @@ async fn a_call_whose_holds_never_become_durable_is_not_passed_on() {
         [(ok, 0), (ok + f, 0), (ok, f)].contains(&(used, held)),
         "used {used}, held {held}: the calls that passed on use {ok}, the failed one {f}"
     );
+}
+
+/// Taken by the tests that inject a log fault at "the next write/fsync":
+/// each assumes which of its store's writes comes next, and the usage
+/// log's batched writer (every 5 ms, off the request path) shifts under the
+/// load of another such test running beside it.
+static DURABLE_FAULTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// A gateway on a durable store whose file system can fail on demand.
+async fn durable_gw(upstream: &str) -> (Gw, allowance_wal::FaultyFs, tempfile::TempDir) {
+    use allowance_durable::{DurableOptions, DurableStore};
+    use allowance_wal::{FaultyFs, FileSystem};
+    use std::sync::Arc;
+
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let faulty = FaultyFs::new();
+    let fs: Arc<dyn FileSystem> = Arc::new(faulty.clone());
+    let path = dir.path().to_owned();
+    let gw = Gw::start_on(Setup::new(upstream), |catalog| async move {
+        let (store, _) = DurableStore::open(
+            catalog,
+            DurableOptions::new(&path),
+            fs,
+            Arc::new(allowance_server::SystemClock::default()),
+            Arc::new(allowance_server::RandomIds),
+            |_| {},
+        )
+        .await
+        .expect("the store opens");
+        let store: Arc<dyn allowance_core::Store> = Arc::new(store);
+        store
+    })
+    .await;
+    (gw, faulty, dir)
+}
+
+/// The caller records once the store answers (it may be rebuilding: 503).
+async fn caller_records_when_serving(gw: &Gw) -> Option<Vec<Value>> {
+    let r = read(gw.client.get(gw.url("/v1/usage?limit=10000"))).await;
+    if r.status != 200 {
+        return None;
+    }
+    Some(
+        r.text
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(|l| serde_json::from_str::<Value>(l).expect("a JSON line"))
+            .filter(|r| r["tenant"] == "acme")
+            .collect(),
+    )
+}
+
+/// `(used, held)` of `dimension` on `scope` once the store answers.
+async fn limit_when_serving(gw: &Gw, scope: &str, dimension: &str) -> Option<(u64, u64)> {
+    let r = read(gw.client.get(gw.url(&format!("/v1/scopes/{scope}")))).await;
+    if r.status != 200 {
+        return None;
+    }
+    let s = r.json();
+    let l = s["limits"]
+        .as_array()?
+        .iter()
+        .find(|l| l["dimension"] == dimension)?
+        .clone();
+    Some((l["used"].as_u64()?, l["held"].as_u64()?))
+}
+
+// A whole answer's settles are applied, the answer passed on, and only then
+// made durable. When the log then fails (the process lives on, the store
+// rebuilds from its data dir without the settles), the gateway knows the
+// settles were lost: it must apply them again once the store serves, as
+// the plain settle's retries did before. Otherwise the rebuilt ledger holds
+// the call's reservation HELD until it expires, and the call that was
+// answered 200 is never charged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_whole_answers_settle_lost_with_the_log_is_applied_again() {
+    let _one_at_a_time = DURABLE_FAULTS.lock().await;
+    let (gw, faulty, _dir) = durable_gw("settlelost").await;
+    let body = chat("Hello, durable world.", 20);
+    let tokens = stub_chat_tokens(&body) + 20;
+    // The provider takes its time: the holds are durable long before it
+    // answers, so the next write to the log is the settles'.
+    gw.behave(BehaviorPatch {
+        first_byte_delay_ms: Some(800),
+        ..Default::default()
+    });
+    let call = tokio::spawn(read(gw.post("/v1/chat/completions").json(&body)));
+    let started = Instant::now();
+    while gw.held_reservations(BOB).await == 0 {
+        assert!(started.elapsed() < Duration::from_secs(5), "never held");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    faulty.fail_write(1);
+    let r = call.await.unwrap();
+    assert_eq!(
+        r.status, 200,
+        "answered before the settle is durable: {}",
+        r.text
+    );
+
+    // The store rebuilds; the settle must come back (never expire unpaid).
+    let started = Instant::now();
+    loop {
+        let now = limit_when_serving(&gw, BOB, "tokens").await;
+        if now == Some((tokens, 0)) {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the answered call is not charged after the rebuild: (used, held) {now:?}, \
+             want ({tokens}, 0); callers {:#?}",
+            caller_records_when_serving(&gw).await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let started = Instant::now();
+    let callers = loop {
+        match caller_records_when_serving(&gw).await {
+            Some(c) if !c.is_empty() => break c,
+            other => {
+                assert!(
+                    started.elapsed() < Duration::from_secs(10),
+                    "no settle in the usage log: {other:#?}; whole log {:#?}",
+                    read(gw.client.get(gw.url("/v1/usage?limit=10000"))).await
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    let settled: Vec<&Value> = callers.iter().filter(|r| r["kind"] == "settled").collect();
+    assert_eq!(settled.len(), 1, "charged once: {callers:#?}");
+}
+
+// A stream whose bound fits but whose swap does not (no room for both
+// holds at once) keeps the bound's hold "and goes on" (GATEWAY.md). But
+// its top-ups are then checked against the bound: the first one is
+// refused, and the stream is cut with `insufficient_quota` — though its
+// true size (exact input and all its output) fits with room to spare.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "BUG: a stream left on its bound (swap refused) has its top-ups refused against the \
+            bound and is cut as out of budget though its true size fits; fixing it needs a way \
+            to lower a hold (or refund-then-reserve with a fallback), not a small change"]
+async fn a_stream_left_on_its_bound_is_not_cut_for_the_bound() {
+    let body = stream_chat(&long_unique_prompt(5_000), 50);
+    let input = stub_chat_tokens(&body);
+    let bound = allowance_estimate::estimate_bound(
+        allowance_estimate::Api::ChatCompletions,
+        &body,
+        allowance_estimate::Tokenizer::O200kBase,
+    )
+    .expect("a valid body");
+    assert!(!bound.exact);
+    let bound = bound.estimate.input_tokens;
+    assert!(bound > 2 * input, "bound {bound}, input {input}");
+    // Room for the bound and its first tranche (8) and a little more; not
+    // for the exact hold beside it. The call's true size, input + 40,
+    // fits many times over.
+    let mut setup = Setup::new("boundstays");
+    setup.user_limits = format!(
+        r#"[{{ dimension = "tokens", capacity = {}, window = "total" }}]"#,
+        bound + 8 + 4
+    );
+    let gw = Gw::start(setup).await;
+    gw.behave(BehaviorPatch {
+        output_tokens: Some(40),
+        token_delay_ms: Some(20),
+        ..Default::default()
+    });
+    let r = gw.call("/v1/chat/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let events = sse_events(&r.text);
+    assert_eq!(
+        hellos(&chat_content(&events)),
+        40,
+        "the whole answer, not cut: {:#?}",
+        events.iter().rev().take(3).collect::<Vec<_>>()
+    );
+    gw.wait_nothing_held().await;
+    assert_eq!(gw.limit(BOB, "tokens").await, (input + 40, 0));
 }

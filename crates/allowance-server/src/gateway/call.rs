@@ -1068,8 +1068,10 @@ pub(crate) async fn settle_attempt(
 
 /// A whole answer's settles, applied before it is passed on (the client's
 /// next call sees them) and made durable after: an answer already paid
-/// for upstream gains nothing from waiting for an fsync. A failed log is
-/// reported; the store then rebuilds from its data dir without them.
+/// for upstream gains nothing from waiting for an fsync. When the log
+/// fails instead, the store rebuilds from its data dir without them: they
+/// are applied again (plain, durable settles: idempotent) once it serves,
+/// or the answered call would never be charged.
 async fn settle_whole(
     state: &AppState,
     p: &Prepared,
@@ -1098,18 +1100,30 @@ async fn settle_whole(
         }
     };
     let (caller, attempt) = tokio::join!(caller, attempt);
-    let durables: Vec<Durable> = caller
+    let durables: Vec<(ReservationId, Durable)> = caller
+        .map(|d| (tenant_id, d))
         .into_iter()
-        .chain(attempt)
-        .filter(|d| !d.is_now())
+        .chain(attempt_id.zip(attempt))
+        .filter(|(_, d)| !d.is_now())
         .collect();
     if durables.is_empty() {
         return;
     }
+    let state = state.clone();
+    let usage = usage.clone();
     tokio::spawn(async move {
-        if let Err(e) = all_durable(durables).await {
-            tracing::error!(reservation = %tenant_id, error = %e,
-                "gateway settle not durable: the store's log failed after the answer was passed on");
+        let again = futures_util::future::join_all(durables.into_iter().map(|(id, d)| async move {
+            let e = d.wait().await.err()?;
+            tracing::warn!(reservation = %id, error = %e,
+                "gateway settle not durable (the store's log failed after the answer was passed on): settling again");
+            Some(id)
+        }))
+        .await;
+        for id in again.into_iter().flatten() {
+            if let Err(e) = end_with_retries(&state, || state.store().settle(id, &usage)).await {
+                tracing::error!(reservation = %id, error = ?e,
+                    "gateway settle lost with the store's log; the hold will expire and the usage is not recorded");
+            }
         }
     });
 }
