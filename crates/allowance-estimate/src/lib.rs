@@ -83,9 +83,9 @@ mod tokenizer;
 mod usage;
 
 pub use request::{
-    Api, BOUND_EXACT_MAX_BYTES, BadRequest, Bounded, Estimate, IMAGE_TOKENS, MAX_OUTPUT_BOUND,
-    MESSAGE_OVERHEAD_TOKENS, NAME_OVERHEAD_TOKENS, REPLY_PRIMING_TOKENS, estimate, estimate_bound,
-    estimate_uncached, model_of,
+    Api, BOUND_EXACT_BUDGET_BYTES, BOUND_EXACT_MAX_BYTES, BadRequest, Bounded, Estimate,
+    IMAGE_TOKENS, MAX_OUTPUT_BOUND, MESSAGE_OVERHEAD_TOKENS, NAME_OVERHEAD_TOKENS,
+    REPLY_PRIMING_TOKENS, estimate, estimate_bound, estimate_uncached, model_of,
 };
 pub use stream::{StreamEvent, TextDelta, read_stream_event};
 pub use tokenizer::{

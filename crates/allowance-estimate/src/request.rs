@@ -102,6 +102,7 @@ pub fn estimate(api: Api, body: &Value, tokenizer: Tokenizer) -> Result<Estimate
             tokenizer,
             mode: Mode::Cached,
             bounded: &Cell::new(false),
+            budget: &Cell::new(0),
         },
     )
 }
@@ -120,6 +121,7 @@ pub fn estimate_uncached(
             tokenizer,
             mode: Mode::Uncached,
             bounded: &Cell::new(false),
+            budget: &Cell::new(0),
         },
     )
 }
@@ -140,9 +142,16 @@ pub struct Bounded {
 /// ones are bounded.
 pub const BOUND_EXACT_MAX_BYTES: usize = 256;
 
+/// At most this many bytes of short strings are tokenized by one
+/// [`estimate_bound`] (about half a millisecond); past it, short strings
+/// are bounded too, so a body of many thousands of short messages costs
+/// no more than a long one.
+pub const BOUND_EXACT_BUDGET_BYTES: usize = 16 * 1024;
+
 /// [`estimate`] without tokenizing what is slow to tokenize: a string the
 /// cache does not know and longer than [`BOUND_EXACT_MAX_BYTES`] counts as
-/// its length in bytes. That is an upper bound — every token of
+/// its length in bytes — and so does any string once
+/// [`BOUND_EXACT_BUDGET_BYTES`] of short ones were tokenized. That is an upper bound — every token of
 /// `o200k_base` and `cl100k_base` stands for at least one byte — so the
 /// estimate is never below [`estimate`]'s, and costs microseconds for a
 /// body that takes milliseconds to tokenize (a gateway can hold on the
@@ -165,6 +174,7 @@ pub const BOUND_EXACT_MAX_BYTES: usize = 256;
 /// ```
 pub fn estimate_bound(api: Api, body: &Value, tokenizer: Tokenizer) -> Result<Bounded, BadRequest> {
     let bounded = Cell::new(false);
+    let budget = Cell::new(BOUND_EXACT_BUDGET_BYTES);
     let estimate = estimate_with(
         api,
         body,
@@ -172,6 +182,7 @@ pub fn estimate_bound(api: Api, body: &Value, tokenizer: Tokenizer) -> Result<Bo
             tokenizer,
             mode: Mode::Bound,
             bounded: &bounded,
+            budget: &budget,
         },
     )?;
     Ok(Bounded {
@@ -456,6 +467,8 @@ struct Counter<'a> {
     mode: Mode,
     /// Set when a [`Mode::Bound`] count was a bound.
     bounded: &'a Cell<bool>,
+    /// Bytes of short strings [`Mode::Bound`] may still tokenize.
+    budget: &'a Cell<usize>,
 }
 
 impl Counter<'_> {
@@ -465,7 +478,10 @@ impl Counter<'_> {
             Mode::Uncached => self.tokenizer.count(s),
             Mode::Bound => match self.tokenizer.lookup(s) {
                 Some(n) => n,
-                None if s.len() <= BOUND_EXACT_MAX_BYTES => self.tokenizer.count_cached(s),
+                None if s.len() <= BOUND_EXACT_MAX_BYTES && s.len() <= self.budget.get() => {
+                    self.budget.set(self.budget.get() - s.len());
+                    self.tokenizer.count_cached(s)
+                }
                 None => {
                     self.bounded.set(true);
                     // usize → u64 is lossless on every platform Rust supports.

@@ -6,8 +6,8 @@
 mod common;
 
 use allowance_estimate::{
-    Api, BOUND_EXACT_MAX_BYTES, Tokenizer, clear_count_cache, estimate, estimate_bound,
-    estimate_uncached,
+    Api, BOUND_EXACT_BUDGET_BYTES, BOUND_EXACT_MAX_BYTES, Tokenizer, clear_count_cache, estimate,
+    estimate_bound, estimate_uncached,
 };
 use common::{CHAT_FIXTURES, CONVERTED_FIXTURES, anthropic, chat, responses};
 use proptest::prelude::*;
@@ -67,6 +67,36 @@ fn bound_is_an_upper_bound_then_exact_once_cached() {
                 "chat_{name}"
             );
         }
+        // Many short new strings: only a budget of them is tokenized, the
+        // rest bounded (a body of thousands of short messages costs what a
+        // long one does).
+        clear_count_cache();
+        let messages: Vec<Value> = (0..4_000)
+            .map(
+                |i| json!({"role": "user", "content": format!("short message number {i} says hi")}),
+            )
+            .collect();
+        let body = json!({"model": "m", "messages": messages});
+        let bound = estimate_bound(Api::ChatCompletions, &body, tokenizer).unwrap();
+        let exact = estimate_uncached(Api::ChatCompletions, &body, tokenizer).unwrap();
+        assert!(!bound.exact);
+        assert!(bound.estimate.input_tokens > exact.input_tokens);
+        // A bounded string adds (bytes − tokens) over the count; at most
+        // budget / 26 of them (each is ≥ 26 bytes) were tokenized instead.
+        let excess: Vec<u64> = (0..4_000)
+            .map(|i| {
+                let text = format!("short message number {i} says hi");
+                text.len() as u64 - tokenizer.count(&text)
+            })
+            .collect();
+        let all_bounded: u64 = excess.iter().sum();
+        let most_spared = (BOUND_EXACT_BUDGET_BYTES / 26 + 1) as u64 * excess.iter().max().unwrap();
+        let got = bound.estimate.input_tokens - exact.input_tokens;
+        assert!(
+            got + most_spared >= all_bounded,
+            "only {got} over the count; bounding all but a budget's worth adds at least {}",
+            all_bounded - most_spared
+        );
     }
 }
 

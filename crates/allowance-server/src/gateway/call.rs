@@ -426,9 +426,25 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
     let (granted, first) = match p.count_later.take() {
         None => tokio::join!(reserve_tenant(&state, &p, true), schedule_now(&state, &p)),
         Some(json) => {
-            let (granted, first) =
-                tokio::join!(reserve_tenant(&state, &p, false), schedule_now(&state, &p));
-            let later = if granted.is_ok() && first.is_some() {
+            // The swap to exact holds reserves before it refunds: it needs
+            // room for a second hold. A dry run of twice the bound's input,
+            // asked beside the reserve, says whether there is (a swap that
+            // found no room would leave the stream's top-ups to compete
+            // with its own bound, and cut it for a size it does not have).
+            let mut probe = p.tenant_req.clone();
+            probe.dry_run = true;
+            probe.report_remaining = false;
+            probe.amounts.set(
+                Dimension::INPUT_TOKENS,
+                p.estimate.input_tokens.saturating_mul(2),
+            );
+            let (granted, first, room) = tokio::join!(
+                reserve_tenant(&state, &p, false),
+                schedule_now(&state, &p),
+                reserve_at_once(&state, &probe)
+            );
+            let room_to_swap = matches!(room, Ok(Ok(_)));
+            let later = if granted.is_ok() && first.is_some() && room_to_swap {
                 // Held on the bound, with a place upstream: go, and count
                 // meanwhile — unless the background queue is full.
                 count_in_background(p.api, p.tokenizer, json)
@@ -487,6 +503,12 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
     let ((outcome, retried), durable) =
         tokio::join!(attempts(&state, &p, first), all_durable(durables));
     if let Err(e) = durable {
+        // Settled as reserved: on the exact input, not its bound.
+        if let Some(c) = counting.take()
+            && let Some(n) = exact_count(c.await)
+        {
+            p.set_input_tokens(n);
+        }
         return undurable(&state, &p, granted.id, lease, outcome, e).await;
     }
     let mut extra = rate_headers;
