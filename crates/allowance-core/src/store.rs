@@ -226,9 +226,9 @@ pub trait Store: Send + Sync + 'static {
     /// [`Store::reserve`], answered as soon as the ledger has decided: the
     /// reservation is durable when the returned [`Durable`] resolves (at
     /// once, by default: a store that answers only when durable). For a
-    /// caller that acknowledges nothing before awaiting it — the gateway
-    /// awaits it before passing a provider's answer on — and so may
-    /// overlap a log's fsync with its own work.
+    /// caller that acts on the grant only after awaiting it, and may do
+    /// other work meanwhile (the gateway asks for two holds and awaits
+    /// their one group commit before it calls the provider).
     async fn reserve_decided(
         &self,
         req: &ReserveRequest,

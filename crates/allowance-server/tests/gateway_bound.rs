@@ -315,10 +315,10 @@ async fn a_call_whose_holds_never_become_durable_is_not_passed_on() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    // The failed call's reserve was lost with the log, or came back with
-    // it: then it was settled as reserved (the stub writes all 20 tokens
-    // asked for: the same figure), or is held until it expires. Never
-    // counted twice, never charged past its hold.
+    // The failed call was never sent upstream; its reserve was lost with
+    // the log, or came back with it and was refunded (or, if the rebuild
+    // outlasted the refund's retries, is held until it expires). Never
+    // charged, never counted twice.
     let tokens = |body: &Value| stub_chat_tokens(body) + 20;
     let ok = tokens(&first) + tokens(&last) + passed_on * tokens(&failed);
     let f = tokens(&failed);
@@ -335,8 +335,13 @@ async fn a_call_whose_holds_never_become_durable_is_not_passed_on() {
     }
     let (used, held) = gw.limit(BOB, "tokens").await;
     assert!(
-        [(ok, 0), (ok + f, 0), (ok, f)].contains(&(used, held)),
+        [(ok, 0), (ok, f)].contains(&(used, held)),
         "used {used}, held {held}: the calls that passed on use {ok}, the failed one {f}"
+    );
+    assert_eq!(
+        gw.stub.requests().len() as u64,
+        2 + passed_on,
+        "the failed call never reached the provider"
     );
 }
 

@@ -498,19 +498,13 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
     // holds still expire soon).
     let lease = Lease::start(&state, &p, granted.id);
     let rate_headers = ratelimit_headers(&granted.remaining, state.now(), p.flavor);
-    // The holds become durable while the call goes upstream; nothing is
-    // passed on before they are.
-    let ((outcome, retried), durable) =
-        tokio::join!(attempts(&state, &p, first), all_durable(durables));
-    if let Err(e) = durable {
-        // Settled as reserved: on the exact input, not its bound.
-        if let Some(c) = counting.take()
-            && let Some(n) = exact_count(c.await)
-        {
-            p.set_input_tokens(n);
-        }
-        return undurable(&state, &p, granted.id, lease, outcome, e).await;
+    // Nothing goes upstream before the holds are durable: a provider's call
+    // is money spent, and a hold lost with a failed log would leave it
+    // unrecorded. (Both holds share one group commit.)
+    if let Err(e) = all_durable(durables).await {
+        return undurable(&state, &p, granted.id, first, lease, e).await;
     }
+    let (outcome, retried) = attempts(&state, &p, first).await;
     let mut extra = rate_headers;
     if retried {
         // The gateway retried already: the SDK must not multiply that.
@@ -566,32 +560,25 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
 }
 
 /// The store could not make the call's holds durable (its log failed; it
-/// is rebuilding from its data dir): the call is not passed on — nothing
-/// may look counted that is not — and what it used is settled as reserved
-/// once the store serves again (never free).
+/// is rebuilding from its data dir): nothing was sent upstream, the holds
+/// are refunded once the store serves again (if the rebuilt log has them
+/// at all), and the call answers 503.
 async fn undurable(
     state: &AppState,
     p: &Prepared,
     tenant_id: ReservationId,
+    first: Option<(Permit, ReservationId)>,
     lease: Lease,
-    outcome: Attempt,
     e: allowance_core::Unavailable,
 ) -> Response {
     drop(lease);
-    match outcome {
-        Attempt::Answered(resp, attempt_id, permit) => {
-            drop(resp);
+    let attempt = async {
+        if let Some((permit, id)) = first {
             drop(permit);
-            let as_reserved = estimated_usage(p, p.output_reserved);
-            tokio::join!(
-                settle_attempt(state, attempt_id, None),
-                settle(state, p, tenant_id, &as_reserved)
-            );
+            refund(state, id).await;
         }
-        Attempt::Failed(_) | Attempt::NoAnswer(_) | Attempt::Refused(_) => {
-            refund(state, tenant_id).await;
-        }
-    }
+    };
+    tokio::join!(refund(state, tenant_id), attempt);
     count_call(p.api, "store_failed");
     GatewayError::unavailable(format!("the store could not record the call: {e}"))
         .respond(p.flavor, HeaderMap::new())
