@@ -234,29 +234,7 @@ async fn a_long_stream_broken_off_at_once_is_charged_its_exact_count() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_whose_holds_never_become_durable_is_not_passed_on() {
     let _one_at_a_time = DURABLE_FAULTS.lock().await;
-    use allowance_durable::{DurableOptions, DurableStore};
-    use allowance_wal::{FaultyFs, FileSystem};
-    use std::sync::Arc;
-
-    let dir = tempfile::tempdir().expect("a temp dir");
-    let faulty = FaultyFs::new();
-    let fs: Arc<dyn FileSystem> = Arc::new(faulty.clone());
-    let path = dir.path().to_owned();
-    let gw = Gw::start_on(Setup::new("undurable"), |catalog| async move {
-        let (store, _) = DurableStore::open(
-            catalog,
-            DurableOptions::new(&path),
-            fs,
-            Arc::new(allowance_server::SystemClock::default()),
-            Arc::new(allowance_server::RandomIds),
-            |_| {},
-        )
-        .await
-        .expect("the store opens");
-        let store: Arc<dyn allowance_core::Store> = Arc::new(store);
-        store
-    })
-    .await;
+    let (gw, faulty, _dir) = durable_gw("undurable").await;
 
     // On a working disk: held, durable while the call ran, passed on.
     let first = chat("Hello.", 20);
