@@ -71,8 +71,8 @@ pub(crate) struct Prepared {
     /// The body, when `estimate.input_tokens` is a bound, not a count: a
     /// long stream's prompt is not tokenized before the call (milliseconds
     /// at 32K tokens, all of it before the first byte) but held on the
-    /// bound of its byte length, and counted on a blocking thread while the
-    /// provider works; the holds are then swapped for exact ones.
+    /// bound of its byte length, and counted on the background thread while
+    /// the provider works; the holds are then swapped for exact ones.
     pub count_later: Option<Value>,
     /// The path and query as received (`/v1/chat/completions?x=1`).
     pub path: String,
@@ -457,9 +457,9 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
                     (granted, first)
                 }
                 Err(json) => {
-                    // The bound does not fit (or must wait, or the background
-                    // is busy): a refusal must be for the call's true size, so
-                    // count first, as any call.
+                    // The bound does not fit, or leaves no room to swap, or
+                    // must wait, or the background is busy: a refusal must be
+                    // for the call's true size, so count first, as any call.
                     // (A refund is logged after the reserve it ends: no need to
                     // wait for the reserve's own durability.)
                     if let Ok((g, _)) = &granted {
