@@ -415,7 +415,7 @@ impl Replayer {
         // The usage log is written in the main log's order, so it holds
         // every event of the records before the one it ends in.
         if lsn < self.usage_upto.0 {
-            self.apply_state_only(lsn, change);
+            self.apply_change(lsn, change, None);
             return Ok(());
         }
         if !self.reporting {
@@ -436,57 +436,87 @@ impl Replayer {
         record::push_overlay(&mut self.overlay, change);
     }
 
-    /// Replays a change whose usage events the usage log already holds,
-    /// through the engine's plain calls: they change the state exactly as
-    /// the `*_journaled` ones, which only add the events (a copy of each
-    /// reservation that ended, here dropped unread). Expiry reporting is
-    /// still off (see `reporting`), so no expiry waits to be reported when
-    /// the first record with missing events comes.
-    fn apply_state_only(&mut self, lsn: Lsn, change: Change) {
-        match change {
-            Change::Reserve { now, id, req } => match self.ledger.reserve(now, id, &req) {
-                Ok(g) if !g.replayed && !g.dry_run => {}
-                Ok(_) => self.diverged(lsn, format!("reserve {id} answered a repeat")),
-                Err(e) => self.diverged(lsn, format!("reserve {id} refused: {e}")),
-            },
-            Change::Settle { now, id, usage } => {
-                if let Err(e) = self.ledger.settle(now, id, &usage) {
-                    self.diverged(lsn, format!("settle {id} refused: {e}"));
+    /// Replays one change. With `events`, through the journaled calls,
+    /// which collect the change's usage events (the usage log may lack
+    /// them); without, through the plain calls, for a change whose events
+    /// the usage log already holds: they change the state exactly as the
+    /// journaled ones, which only add the events (a copy of each
+    /// reservation that ended). Expiry reporting is off until the first
+    /// record with events to collect (see `reporting`), so no expiry waits
+    /// to be reported then.
+    fn apply_change(&mut self, lsn: Lsn, change: Change, events: Option<&Collect>) {
+        let ledger = &self.ledger;
+        let diverged = match change {
+            Change::Reserve { now, id, req } => {
+                let r = match events {
+                    Some(ev) => ledger.reserve_journaled(now, id, &req, ev).0,
+                    None => ledger.reserve(now, id, &req),
+                };
+                match r {
+                    Ok(g) if !g.replayed && !g.dry_run => None,
+                    Ok(_) => Some(format!("reserve {id} answered a repeat")),
+                    Err(e) => Some(format!("reserve {id} refused: {e}")),
                 }
             }
-            Change::Refund { now, id } => {
-                if let Err(e) = self.ledger.refund(now, id) {
-                    self.diverged(lsn, format!("refund {id} refused: {e}"));
-                }
+            Change::Settle { now, id, usage } => match events {
+                Some(ev) => ledger.settle_journaled(now, id, &usage, ev).map(drop),
+                None => ledger.settle(now, id, &usage).map(drop),
             }
+            .err()
+            .map(|e| format!("settle {id} refused: {e}")),
+            Change::Refund { now, id } => match events {
+                Some(ev) => ledger.refund_journaled(now, id, ev).map(drop),
+                None => ledger.refund(now, id).map(drop),
+            }
+            .err()
+            .map(|e| format!("refund {id} refused: {e}")),
             Change::Extend {
                 now,
                 id,
                 amounts,
                 ttl_ms,
-            } => {
-                if let Err(e) = self.ledger.extend(now, id, amounts.as_ref(), ttl_ms) {
-                    self.diverged(lsn, format!("extend {id} refused: {e}"));
-                }
+            } => match events {
+                Some(ev) => ledger
+                    .extend_journaled(now, id, amounts.as_ref(), ttl_ms, ev)
+                    .map(drop),
+                None => ledger.extend(now, id, amounts.as_ref(), ttl_ms).map(drop),
             }
+            .err()
+            .map(|e| format!("extend {id} refused: {e}")),
             Change::Adjust {
                 now,
                 scope,
                 dimension,
                 credit,
-                reason: _,
-            } => {
-                if let Err(e) = self.ledger.adjust(now, &scope, dimension, credit) {
-                    self.diverged(lsn, format!("adjust {scope} refused: {e}"));
+                reason,
+            } => match events {
+                Some(ev) => ledger
+                    .adjust_journaled(now, &scope, dimension, credit, &reason, ev)
+                    .map(drop),
+                None => ledger.adjust(now, &scope, dimension, credit).map(drop),
+            }
+            .err()
+            .map(|e| format!("adjust {scope} refused: {e}")),
+            // Every shard observes `now`, as the logged tick made them. With
+            // reporting off it finds nothing to report, which proves nothing
+            // (its expiries are in the usage log); with it on, it must.
+            Change::Tick { now } => match events {
+                Some(ev) => ledger
+                    .tick_journaled(now, ev)
+                    .is_none()
+                    .then(|| "a tick reported no expiry".to_owned()),
+                None => {
+                    let _ = ledger.tick_journaled(now, &NoJournal);
+                    None
                 }
+            },
+            Change::Admin(change) => {
+                self.apply_admin(lsn, &change);
+                None
             }
-            Change::Tick { now } => {
-                // Every shard observes `now`, as the logged tick made them;
-                // with reporting off it finds nothing to report, which
-                // proves nothing here (its expiries are in the usage log).
-                let _ = self.ledger.tick_journaled(now, &NoJournal);
-            }
-            Change::Admin(change) => self.apply_admin(lsn, &change),
+        };
+        if let Some(why) = diverged {
+            self.diverged(lsn, why);
         }
     }
 
@@ -494,58 +524,7 @@ impl Replayer {
     /// appends the missing ones.
     fn apply_with_usage(&mut self, lsn: Lsn, change: Change) -> Result<(), String> {
         let events = Collect::default();
-        match change {
-            Change::Reserve { now, id, req } => {
-                match self.ledger.reserve_journaled(now, id, &req, &events).0 {
-                    Ok(g) if !g.replayed && !g.dry_run => {}
-                    Ok(_) => self.diverged(lsn, format!("reserve {id} answered a repeat")),
-                    Err(e) => self.diverged(lsn, format!("reserve {id} refused: {e}")),
-                }
-            }
-            Change::Settle { now, id, usage } => {
-                if let Err(e) = self.ledger.settle_journaled(now, id, &usage, &events) {
-                    self.diverged(lsn, format!("settle {id} refused: {e}"));
-                }
-            }
-            Change::Refund { now, id } => {
-                if let Err(e) = self.ledger.refund_journaled(now, id, &events) {
-                    self.diverged(lsn, format!("refund {id} refused: {e}"));
-                }
-            }
-            Change::Extend {
-                now,
-                id,
-                amounts,
-                ttl_ms,
-            } => {
-                if let Err(e) =
-                    self.ledger
-                        .extend_journaled(now, id, amounts.as_ref(), ttl_ms, &events)
-                {
-                    self.diverged(lsn, format!("extend {id} refused: {e}"));
-                }
-            }
-            Change::Adjust {
-                now,
-                scope,
-                dimension,
-                credit,
-                reason,
-            } => {
-                if let Err(e) = self
-                    .ledger
-                    .adjust_journaled(now, &scope, dimension, credit, &reason, &events)
-                {
-                    self.diverged(lsn, format!("adjust {scope} refused: {e}"));
-                }
-            }
-            Change::Tick { now } => {
-                if self.ledger.tick_journaled(now, &events).is_none() {
-                    self.diverged(lsn, "a tick reported no expiry".to_owned());
-                }
-            }
-            Change::Admin(change) => self.apply_admin(lsn, &change),
-        }
+        self.apply_change(lsn, change, Some(&events));
         // Events the usage log lacks (a crash came between the two logs'
         // writes) are appended now, in the order they first happened.
         let events = events.0.into_inner();
