@@ -912,7 +912,7 @@ async fn finish_whole(
         // No usage to read: charged as reserved, never free.
         None => estimated_usage(p, p.output_reserved),
     };
-    settle_whole(state, p, tenant_id, attempt_id, &usage).await;
+    settle_whole(state, tenant_id, attempt_id, &usage).await;
     count_call(p.api, "ok");
     let mut r = Response::new(Body::from(body));
     *r.status_mut() = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::OK);
@@ -1083,36 +1083,22 @@ pub(crate) async fn settle_attempt(
 /// or the answered call would never be charged.
 async fn settle_whole(
     state: &AppState,
-    p: &Prepared,
     tenant_id: ReservationId,
     attempt_id: Option<ReservationId>,
     usage: &Usage,
 ) {
-    let caller = async {
-        match end_with_retries(state, || state.store().settle_decided(tenant_id, usage)).await {
-            Ok((_, durable)) => Some(durable),
-            Err(e) => {
-                tracing::error!(reservation = %tenant_id, model = %p.model, error = ?e,
-                    "gateway settle failed; the hold will expire and the usage is not recorded");
-                None
+    let (caller, attempt) = tokio::join!(
+        settle_applied(state, tenant_id, usage, "the caller's"),
+        async {
+            match attempt_id {
+                Some(id) => settle_applied(state, id, usage, "an upstream attempt's").await,
+                None => None,
             }
         }
-    };
-    let attempt = async {
-        let id = attempt_id?;
-        match end_with_retries(state, || state.store().settle_decided(id, usage)).await {
-            Ok((_, durable)) => Some(durable),
-            Err(_) => {
-                tracing::warn!(reservation = %id, "gateway: an upstream attempt's settle failed; its hold will expire");
-                None
-            }
-        }
-    };
-    let (caller, attempt) = tokio::join!(caller, attempt);
+    );
     let durables: Vec<(ReservationId, Durable)> = caller
-        .map(|d| (tenant_id, d))
         .into_iter()
-        .chain(attempt_id.zip(attempt))
+        .chain(attempt)
         .filter(|(_, d)| !d.is_now())
         .collect();
     if durables.is_empty() {
@@ -1135,6 +1121,25 @@ async fn settle_whole(
             }
         }
     });
+}
+
+/// Applies a settle (decided: later operations see it) and returns when it
+/// will be durable; `None`, logged, when the store refused it or never
+/// answered (`whose` names the reservation in the log).
+async fn settle_applied(
+    state: &AppState,
+    id: ReservationId,
+    usage: &Usage,
+    whose: &'static str,
+) -> Option<(ReservationId, Durable)> {
+    match end_with_retries(state, || state.store().settle_decided(id, usage)).await {
+        Ok((_, durable)) => Some((id, durable)),
+        Err(e) => {
+            tracing::error!(reservation = %id, error = ?e,
+                "gateway: {whose} settle failed; the hold will expire and the usage is not recorded");
+            None
+        }
+    }
 }
 
 /// Refunds a reservation (a failed call costs its caller nothing).
