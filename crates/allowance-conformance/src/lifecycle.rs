@@ -500,59 +500,38 @@ pub(crate) async fn ended_reservations_are_forgotten_after_retention(h: Harness)
     );
 }
 
-/// `reserve_decided` and `settle_decided` answer what `reserve` and
-/// `settle` answer, change the ledger at once, and become durable: a
-/// grant, a denial, a dry run, a settle and its repeat.
-pub(crate) async fn decided_calls_answer_as_the_plain_ones(h: Harness) {
-    let req = h.request("acme", &OTHERS, tokens(1000)).await;
-    let (g, durable) = h
-        .store
-        .reserve_decided(&req)
+/// `settle_decided` answers what `settle` answers, changes the ledger at
+/// once, and becomes durable: a settle, its repeat, and a refused one.
+pub(crate) async fn decided_settle_answers_as_the_plain_one(h: Harness) {
+    let id = h.hold("acme", &OTHERS, tokens(1000)).await;
+    let used_before = h
+        .limit("tenant:acme", "tokens", WindowKind::Sliding)
         .await
-        .expect("a grant, decided");
-    // Applied before durable: later operations already see it.
-    assert_eq!(h.get(g.id).await.status, Status::Held);
-    durable.wait().await.expect("durable");
-    assert_eq!(h.get(g.id).await.held, tokens(1000));
-    let (held_before, used_before) = {
-        let l = h.limit("tenant:acme", "tokens", WindowKind::Sliding).await;
-        (l.held, l.used)
-    };
-    assert_eq!(held_before, 1000);
-
-    // A dry run decides and changes nothing.
-    let mut dry = req.clone();
-    dry.dry_run = true;
-    let (d, durable) = h.store.reserve_decided(&dry).await.expect("a dry run");
-    assert!(d.dry_run);
-    durable.wait().await.expect("nothing to wait for");
-    let l = h.limit("tenant:acme", "tokens", WindowKind::Sliding).await;
-    assert_eq!((l.held, l.used), (held_before, used_before));
-
-    // A denial is the plain reserve's denial.
-    let too_much = h.request("acme", &OTHERS, tokens(1_000_000_000)).await;
-    let plain = h.deny(&too_much).await;
-    match h.store.reserve_decided(&too_much).await {
-        Err(allowance_core::StoreError::Rejected(allowance_core::ReserveError::Denied(d))) => {
-            assert_eq!(*d, plain)
-        }
-        other => panic!("a denial, got {other:?}"),
-    }
+        .used;
 
     // Settle, decided: the plain settle's reservation; a repeat the same.
     let u = usage(tokens(700));
     let (r, durable) = h
         .store
-        .settle_decided(g.id, &u)
+        .settle_decided(id, &u)
         .await
         .expect("a settle, decided");
     assert_eq!(r.status, Status::Settled);
-    assert_eq!(h.get(g.id).await.status, Status::Settled, "applied at once");
+    assert_eq!(h.get(id).await.status, Status::Settled, "applied at once");
     durable.wait().await.expect("durable");
-    assert_eq!(h.settle(g.id, &u).await, r, "the plain settle repeats it");
-    let (again, durable) = h.store.settle_decided(g.id, &u).await.expect("a repeat");
+    assert_eq!(h.settle(id, &u).await, r, "the plain settle repeats it");
+    let (again, durable) = h.store.settle_decided(id, &u).await.expect("a repeat");
     durable.wait().await.expect("durable");
     assert_eq!(again, r);
     let l = h.limit("tenant:acme", "tokens", WindowKind::Sliding).await;
     assert_eq!((l.held, l.used), (0, used_before + 700));
+
+    // Refused as the plain settle is: a refunded reservation conflicts.
+    let refunded = h.hold("acme", &OTHERS, tokens(10)).await;
+    h.store.refund(refunded).await.expect("refunded");
+    let plain = h.settle_err(refunded, &u).await;
+    match h.store.settle_decided(refunded, &u).await {
+        Err(allowance_core::StoreError::Rejected(e)) => assert_eq!(e, plain),
+        other => panic!("a refusal, got {other:?}"),
+    }
 }

@@ -174,7 +174,7 @@ fn known_dimensions(c: &Catalog, plan: &Plan) -> Result<(), AdminError> {
 }
 
 /// When a change a store has applied is durable: see
-/// [`Store::reserve_decided`].
+/// [`Store::settle_decided`].
 #[must_use = "a decided change is acknowledged only once durable"]
 pub struct Durable(Option<DurableWait>);
 
@@ -223,18 +223,6 @@ impl std::fmt::Debug for Durable {
 pub trait Store: Send + Sync + 'static {
     /// Holds `req.amounts` on every scope, all or nothing (or answers a dry run).
     async fn reserve(&self, req: &ReserveRequest) -> Result<Granted, StoreError<ReserveError>>;
-    /// [`Store::reserve`], answered as soon as the ledger has decided: the
-    /// reservation is durable when the returned [`Durable`] resolves (at
-    /// once, by default: a store that answers only when durable). For a
-    /// caller that acts on the grant only after awaiting it, and may do
-    /// other work meanwhile (the gateway asks for two holds and awaits
-    /// their one group commit before it calls the provider).
-    async fn reserve_decided(
-        &self,
-        req: &ReserveRequest,
-    ) -> Result<(Granted, Durable), StoreError<ReserveError>> {
-        self.reserve(req).await.map(|g| (g, Durable::now()))
-    }
     /// Records usage and releases the hold; idempotent.
     async fn settle(
         &self,

@@ -927,31 +927,6 @@ impl Store for DurableStore {
         }
     }
 
-    async fn reserve_decided(
-        &self,
-        req: &ReserveRequest,
-    ) -> Result<(Granted, Durable), StoreError<ReserveError>> {
-        let live = self.inner.live()?;
-        let id = ReservationId::mint(self.inner.ids.next_random(), req.scopes.tenant_name());
-        let (r, ticket) =
-            live.ledger
-                .reserve_journaled(self.inner.clock.now(), id, req, &WalJournal(&live));
-        let this = self.clone();
-        match (r, ticket) {
-            (Ok(g), Some(t)) => Ok((
-                g,
-                Durable::when(async move { this.durable(&live, t).await }),
-            )),
-            (Ok(g), None) if g.replayed => Ok((
-                g,
-                Durable::when(async move { this.settled_so_far(&live).await }),
-            )),
-            // A dry run changes nothing.
-            (Ok(g), None) => Ok((g, Durable::now())),
-            (Err(e), _) => Err(StoreError::Rejected(e)),
-        }
-    }
-
     async fn settle_decided(
         &self,
         id: ReservationId,

@@ -441,7 +441,7 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
             let (granted, first, room) = tokio::join!(
                 reserve_tenant(&state, &p, false),
                 schedule_now(&state, &p),
-                reserve_at_once(&state, &probe)
+                admit(&state, &p.catalog, &probe, 0, 0, None)
             );
             let room_to_swap = matches!(room, Ok(Ok(_)));
             let later = if granted.is_ok() && first.is_some() && room_to_swap {
@@ -462,10 +462,10 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
                     // for the call's true size, so count first, as any call.
                     // (A refund is logged after the reserve it ends: no need to
                     // wait for the reserve's own durability.)
-                    if let Ok((g, _)) = &granted {
+                    if let Ok(g) = &granted {
                         refund(&state, g.id).await;
                     }
-                    if let Some((permit, id, _)) = first {
+                    if let Some((permit, id)) = first {
                         drop(permit);
                         refund(&state, id).await;
                     }
@@ -477,10 +477,10 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
             }
         }
     };
-    let (granted, tenant_durable) = match granted {
+    let granted = match granted {
         Ok(g) => g,
         Err(e) => {
-            if let Some((permit, id, _)) = first {
+            if let Some((permit, id)) = first {
                 drop(permit);
                 refund(&state, id).await;
             }
@@ -488,22 +488,11 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
             return e.respond(p.flavor, HeaderMap::new());
         }
     };
-    let mut durables = vec![tenant_durable];
-    let first = first.map(|(permit, id, durable)| {
-        durables.push(durable);
-        (permit, id)
-    });
     // The caller's hold lives as long as the call, however long the
     // provider takes (a renewed lease, not a long TTL: a crashed gateway's
     // holds still expire soon).
     let lease = Lease::start(&state, &p, granted.id);
     let rate_headers = ratelimit_headers(&granted.remaining, state.now(), p.flavor);
-    // Nothing goes upstream before the holds are durable: a provider's call
-    // is money spent, and a hold lost with a failed log would leave it
-    // unrecorded. (Both holds share one group commit.)
-    if let Err(e) = all_durable(durables).await {
-        return undurable(&state, &p, granted.id, first, lease, e).await;
-    }
     let (outcome, retried) = attempts(&state, &p, first).await;
     let mut extra = rate_headers;
     if retried {
@@ -559,31 +548,6 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
     }
 }
 
-/// The store could not make the call's holds durable (its log failed; it
-/// is rebuilding from its data dir): nothing was sent upstream, the holds
-/// are refunded once the store serves again (if the rebuilt log has them
-/// at all), and the call answers 503.
-async fn undurable(
-    state: &AppState,
-    p: &Prepared,
-    tenant_id: ReservationId,
-    first: Option<(Permit, ReservationId)>,
-    lease: Lease,
-    e: allowance_core::Unavailable,
-) -> Response {
-    drop(lease);
-    let attempt = async {
-        if let Some((permit, id)) = first {
-            drop(permit);
-            refund(state, id).await;
-        }
-    };
-    tokio::join!(refund(state, tenant_id), attempt);
-    count_call(p.api, "store_failed");
-    GatewayError::unavailable(format!("the store could not record the call: {e}"))
-        .respond(p.flavor, HeaderMap::new())
-}
-
 /// The caller's reservation: answered at once (the SDK retries a 429
 /// after its `retry-after`).
 /// `count_denial`: false for a try on a bound, which a refusal does not end.
@@ -591,8 +555,8 @@ async fn reserve_tenant(
     state: &AppState,
     p: &Prepared,
     count_denial: bool,
-) -> Result<(Granted, Durable), GatewayError> {
-    match reserve_at_once(state, &p.tenant_req).await {
+) -> Result<Granted, GatewayError> {
+    match admit(state, &p.catalog, &p.tenant_req, 0, 0, None).await {
         Ok(Ok(g)) => Ok(g),
         Ok(Err(StoreError::Rejected(ReserveError::Denied(d)))) => {
             if count_denial {
@@ -610,28 +574,6 @@ async fn reserve_tenant(
             "the store did not answer in time",
         )),
     }
-}
-
-/// A reserve that does not wait — so the admission queue's waiters keep
-/// their turn, as in [`admit`] — answered once the ledger decided: its
-/// durability is awaited before anything is passed on, meanwhile the call
-/// goes upstream (a durable store's fsync off the call's path).
-async fn reserve_at_once(
-    state: &AppState,
-    req: &ReserveRequest,
-) -> Result<Result<(Granted, Durable), StoreError<ReserveError>>, crate::error::ApiError> {
-    if let Some(d) = state.queue().blocking(req) {
-        return Ok(Err(StoreError::Rejected(ReserveError::Denied(d))));
-    }
-    state.call(state.store().reserve_decided(req)).await
-}
-
-/// Waits until every change is durable.
-async fn all_durable(durables: Vec<Durable>) -> Result<(), allowance_core::Unavailable> {
-    for d in futures_util::future::join_all(durables.into_iter().map(Durable::wait)).await {
-        d?;
-    }
-    Ok(())
 }
 
 /// Upstream attempts until one answers for good: 429s wait the shared
@@ -773,14 +715,14 @@ async fn schedule(
 /// The first attempt's place upstream when it is free now: no backoff, a
 /// free place in the gate, room on `upstream:<name>` at once. `None` sends
 /// the call through [`schedule`], which waits.
-async fn schedule_now(state: &AppState, p: &Prepared) -> Option<(Permit, ReservationId, Durable)> {
+async fn schedule_now(state: &AppState, p: &Prepared) -> Option<(Permit, ReservationId)> {
     let up = &p.upstream;
     if up.backoff_until().is_some() {
         return None;
     }
     let permit = up.try_acquire()?;
-    match reserve_at_once(state, &p.attempt_req).await {
-        Ok(Ok((g, durable))) => Some((permit, g.id, durable)),
+    match admit(state, &p.catalog, &p.attempt_req, 0, 0, Some(&p.tenant)).await {
+        Ok(Ok(g)) => Some((permit, g.id)),
         _ => None,
     }
 }
