@@ -1,14 +1,14 @@
 //! Work no call waits for — the exact count of a long stream already
-//! running on a bound — on a few threads of their own at a low CPU
-//! priority (nice ~10), so that on a busy machine it yields to what a
-//! client does wait for: other calls' reserves, first bytes and events.
+//! running on a bound — on a thread of its own at a low CPU priority
+//! (nice ~9), so that on a busy machine it yields to what a client does
+//! wait for: other calls' reserves, first bytes and events.
 //!
 //! (Not tokio's blocking pool: a thread's priority can be lowered but not
 //! raised again without privileges, and that pool runs waited-for work.)
 
+use std::sync::LazyLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::sync::{LazyLock, Mutex};
 
 use allowance_estimate::Tokenizer;
 use thread_priority::{ThreadPriority, ThreadPriorityValue};
@@ -16,72 +16,51 @@ use tokio::sync::oneshot;
 
 type Job = Box<dyn FnOnce() + Send + 'static>;
 
-/// Threads of the pool: one. The tokenizers' regexes share one cache pool
-/// per regex, whose fast path belongs to a single thread (the first to use
-/// it); every other thread takes a lock per match, a third of a 32K-token
-/// count (measured). One owning thread counts faster than two that share.
-fn threads() -> usize {
-    1
-}
-
 /// `ThreadPriorityValue` 25 maps to nice ~9 on Linux (0 is nice 19, 99 is
 /// nice −20): a fifth of a normal thread's share when they compete.
 const BACKGROUND_PRIORITY: u8 = 25;
 
-static POOL: LazyLock<Mutex<mpsc::Sender<Job>>> = LazyLock::new(|| {
+/// The one background thread's queue. One thread, not a pool: the
+/// tokenizers' regexes share one cache pool per regex, whose fast path
+/// belongs to the first thread to use it; every other thread takes a lock
+/// per match, a third of a 32K-token count (measured). One owning thread
+/// counts faster than two that share.
+static QUEUE: LazyLock<mpsc::Sender<Job>> = LazyLock::new(|| {
     let (tx, rx) = mpsc::channel::<Job>();
-    let rx = std::sync::Arc::new(Mutex::new(rx));
     let (ready_tx, ready_rx) = mpsc::channel::<()>();
-    let mut started = 0;
-    for i in 0..threads() {
-        let rx = rx.clone();
-        let ready = ready_tx.clone();
-        let spawned = std::thread::Builder::new()
-            .name(format!("allowance-background-{i}"))
-            .spawn(move || {
-                if let Ok(p) = ThreadPriorityValue::try_from(BACKGROUND_PRIORITY)
-                    && let Err(e) = thread_priority::set_current_thread_priority(
-                        ThreadPriority::Crossplatform(p),
-                    )
-                {
-                    // Still correct, only not deferential: say so once.
-                    tracing::debug!(error = ?e, "background thread keeps the normal priority");
-                }
-                // The tokenizers' regexes keep a cache pool whose fast path
-                // belongs to the first thread to use it; every other thread
-                // takes a lock per match (a third of a 32K-token count,
-                // measured). Counting is this pool's work: it goes first.
-                for t in [Tokenizer::O200kBase, Tokenizer::Cl100kBase] {
-                    t.count("warm up: the first use claims the fast path");
-                }
-                let _ = ready.send(());
-                loop {
-                    // The lock is held only to take a job, never to run it.
-                    let job = match rx.lock() {
-                        Ok(rx) => rx.recv(),
-                        Err(_) => return,
-                    };
-                    match job {
-                        Ok(job) => job(),
-                        Err(_) => return,
-                    }
-                }
-            });
-        match spawned {
-            Ok(_) => started += 1,
-            Err(e) => tracing::warn!(error = %e, "cannot start a background thread"),
+    let spawned = std::thread::Builder::new()
+        .name("allowance-background".to_owned())
+        .spawn(move || {
+            if let Ok(p) = ThreadPriorityValue::try_from(BACKGROUND_PRIORITY)
+                && let Err(e) =
+                    thread_priority::set_current_thread_priority(ThreadPriority::Crossplatform(p))
+            {
+                // Still correct, only not deferential: say so once.
+                tracing::debug!(error = ?e, "background thread keeps the normal priority");
+            }
+            // Counting is this thread's work: it uses the tokenizers first,
+            // and so owns their fast path.
+            for t in [Tokenizer::O200kBase, Tokenizer::Cl100kBase] {
+                t.count("warm up: the first use claims the fast path");
+            }
+            let _ = ready_tx.send(());
+            while let Ok(job) = rx.recv() {
+                job();
+            }
+        });
+    match spawned {
+        Ok(_) => {
+            let _ = ready_rx.recv();
         }
+        Err(e) => tracing::warn!(error = %e, "cannot start the background thread"),
     }
-    for _ in 0..started {
-        let _ = ready_rx.recv();
-    }
-    Mutex::new(tx)
+    tx
 });
 
-/// Starts the pool now (a server calls it at start-up, before any count):
-/// its threads then own the tokenizers' fast paths.
+/// Starts the background thread now (a server calls it at start-up,
+/// before any count): it then owns the tokenizers' fast paths.
 pub(crate) fn start() {
-    LazyLock::force(&POOL);
+    LazyLock::force(&QUEUE);
 }
 
 /// Jobs queued or running past which [`try_spawn`] refuses: the queue must
@@ -92,8 +71,8 @@ pub(crate) const MAX_PENDING_JOBS: usize = 32;
 static PENDING: AtomicUsize = AtomicUsize::new(0);
 
 /// Runs `f(input)` on the background thread; its result comes on the
-/// receiver (an error if the job could not run: the pool has no thread, or
-/// `f` panicked — the thread survives that). When [`MAX_PENDING_JOBS`] are
+/// receiver (an error if the job could not run: there is no thread, or `f`
+/// panicked — the thread survives that). When [`MAX_PENDING_JOBS`] are
 /// queued already, `Err(input)`: the caller does the work itself.
 pub(crate) fn try_spawn<V, T, F>(input: V, f: F) -> Result<oneshot::Receiver<T>, V>
 where
@@ -114,11 +93,9 @@ where
             let _ = tx.send(v);
         }
     });
-    if let Ok(pool) = POOL.lock()
-        && pool.send(job).is_err()
-    {
-        // Every thread is gone: the job was dropped with its sender, and
-        // the receiver says so.
+    if QUEUE.send(job).is_err() {
+        // The thread is gone (it never started): the job was dropped with
+        // its sender, and the receiver says so.
         PENDING.fetch_sub(1, Ordering::AcqRel);
     }
     Ok(rx)
@@ -162,10 +139,7 @@ mod tests {
             .nth(16)
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
-        assert!(
-            name.unwrap_or_default()
-                .starts_with("allowance-background-")
-        );
+        assert!(name.unwrap_or_default().starts_with("allowance-background"));
         if cfg!(target_os = "linux") {
             assert!(nice > 0, "nice {nice}");
         }
@@ -174,7 +148,7 @@ mod tests {
     #[tokio::test]
     async fn a_full_queue_refuses_and_frees_as_jobs_end() {
         let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
-        let release_rx = std::sync::Arc::new(Mutex::new(release_rx));
+        let release_rx = std::sync::Arc::new(std::sync::Mutex::new(release_rx));
         let mut held = Vec::new();
         // Fill the queue with jobs that wait to be released (other tests
         // may hold a few places too: fill until refused).
