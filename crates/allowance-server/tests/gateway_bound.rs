@@ -37,6 +37,11 @@ fn stream_chat(content: &str, max_tokens: u64) -> Value {
     b
 }
 
+/// A plan's `limits`: `capacity` tokens in all, never refilled.
+fn tokens_total(capacity: u64) -> String {
+    format!(r#"[{{ dimension = "tokens", capacity = {capacity}, window = "total" }}]"#)
+}
+
 fn held_input(rec: &Value) -> u64 {
     amount(rec, "held", "input_tokens")
 }
@@ -141,10 +146,7 @@ async fn a_bound_that_does_not_fit_is_counted_first_and_the_call_goes() {
     let input = stub_chat_tokens(&body);
     // Room for the call's true size, not for its bound (~5 bytes a token).
     let mut setup = Setup::new("boundtight");
-    setup.user_limits = format!(
-        r#"[{{ dimension = "tokens", capacity = {}, window = "total" }}]"#,
-        input + 60
-    );
+    setup.user_limits = tokens_total(input + 60);
     let gw = Gw::start(setup).await;
     let r = gw.call("/v1/chat/completions", &body).await;
     assert_eq!(r.status, 200, "{}", r.text);
@@ -170,10 +172,7 @@ async fn a_long_stream_that_does_not_fit_is_refused_for_its_true_size() {
     let input = stub_chat_tokens(&body);
     // A stream holds its input and a first tranche of output (8 here).
     let mut setup = Setup::new("boundrefused");
-    setup.user_limits = format!(
-        r#"[{{ dimension = "tokens", capacity = {}, window = "total" }}]"#,
-        input + 4
-    );
+    setup.user_limits = tokens_total(input + 4);
     let gw = Gw::start(setup).await;
     let r = gw.call("/v1/chat/completions", &body).await;
     assert_eq!(r.status, 422, "more than the whole capacity: {}", r.text);
@@ -477,10 +476,7 @@ async fn a_stream_left_on_its_bound_is_not_cut_for_the_bound() {
     // for the exact hold beside it. The call's true size, input + 40,
     // fits many times over.
     let mut setup = Setup::new("boundstays");
-    setup.user_limits = format!(
-        r#"[{{ dimension = "tokens", capacity = {}, window = "total" }}]"#,
-        bound + 8 + 4
-    );
+    setup.user_limits = tokens_total(bound + 8 + 4);
     let gw = Gw::start(setup).await;
     gw.behave(BehaviorPatch {
         output_tokens: Some(40),
