@@ -293,9 +293,8 @@ async fn a_call_whose_holds_never_become_durable_is_not_passed_on() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // The failed call was never sent upstream; its reserve was lost with
-    // the log, or came back with it and was refunded (or, if the rebuild
-    // outlasted the refund's retries, is held until it expires). Never
-    // charged, never counted twice.
+    // the log, or came back with it (written, not synced) and is held
+    // until it expires. Never charged, never counted twice.
     let tokens = |body: &Value| stub_chat_tokens(body) + 20;
     let ok = tokens(&first) + tokens(&last) + passed_on * tokens(&failed);
     let f = tokens(&failed);
