@@ -105,8 +105,13 @@ where
 mod tests {
     use super::*;
 
+    /// The queue is one per process: a test that fills it must not run
+    /// beside one that needs room in it.
+    static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
     #[tokio::test]
     async fn runs_jobs_and_survives_a_panicking_one() {
+        let _serial = SERIAL.lock().await;
         let answers: Vec<_> = (0..16u64)
             .map(|i| try_spawn(i, |i| i * i).unwrap())
             .collect();
@@ -123,6 +128,7 @@ mod tests {
 
     #[test]
     fn its_threads_run_at_a_lower_priority() {
+        let _serial = SERIAL.blocking_lock();
         let rx = try_spawn((), |()| {
             (
                 std::fs::read_to_string("/proc/thread-self/stat").unwrap_or_default(),
@@ -147,11 +153,12 @@ mod tests {
 
     #[tokio::test]
     async fn a_full_queue_refuses_and_frees_as_jobs_end() {
+        let _serial = SERIAL.lock().await;
         let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
         let release_rx = std::sync::Arc::new(std::sync::Mutex::new(release_rx));
         let mut held = Vec::new();
-        // Fill the queue with jobs that wait to be released (other tests
-        // may hold a few places too: fill until refused).
+        // Fill the queue with jobs that wait to be released (fill until
+        // refused: a gateway test elsewhere in the process may hold some).
         loop {
             let rx = release_rx.clone();
             match try_spawn(rx, |rx| {
