@@ -8,6 +8,7 @@
 #
 #   scripts/bench-http.sh                # 5 rounds of 10 s each
 #   ROUNDS=3 DURATION=5s scripts/bench-http.sh
+#   BIN=/other/target/release/allowance scripts/bench-http.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,8 +19,11 @@ SCENARIO=${SCENARIO:-pairs}
 SERVER_PORT=${SERVER_PORT:-18787}
 NOOP_PORT=${NOOP_PORT:-18788}
 
-cargo build --release -p allowance-cli >&2
-BIN=target/release/allowance
+# BIN=path/to/allowance measures that build instead (e.g. another worktree's).
+if [ -z "${BIN:-}" ]; then
+  cargo build --release -p allowance-cli >&2
+  BIN=target/release/allowance
+fi
 out=$(mktemp -d)
 trap 'kill $server $noop 2>/dev/null || true; rm -rf "$out"' EXIT
 

@@ -384,7 +384,13 @@ impl EmbeddedStore {
             ledger,
             clock,
             ids,
-            usage: parking_lot::Mutex::default(),
+            // Sized once to its bound: growing a ring of this size by
+            // doubling copies it all each time, under the journal's lock.
+            // (Pages are touched only as records arrive.)
+            usage: parking_lot::Mutex::new(MemoryUsage {
+                records: std::collections::VecDeque::with_capacity(MEMORY_USAGE_RECORDS),
+                next_cursor: 0,
+            }),
         }
     }
 

@@ -18,7 +18,8 @@ use crate::auth::Principal;
 use crate::error::{ApiError, ErrorBody, IntoApiError};
 use crate::extract::{JsonBody, OptionalJsonBody};
 use crate::wire::{
-    ExtendBody, RefundBody, ReservationView, ReserveBody, ScopeStatusView, SettleBody, amounts_of,
+    ExtendBody, JsonAnswer, RefundBody, ReservationView, ReserveBody, ScopeStatusView, SettleBody,
+    amounts_of,
 };
 use crate::{AppState, metrics};
 
@@ -64,7 +65,7 @@ where
 
 /// The answer of get, settle, refund and extend: the reservation object.
 fn reservation_answer(r: &Reservation, catalog: &Catalog) -> Response {
-    axum::Json(ReservationView::of(r, catalog)).into_response()
+    JsonAnswer(ReservationView::of(r, catalog)).into_response()
 }
 
 /// `rsv_…` → id; anything else answers 404, as an unknown id does.
@@ -182,7 +183,7 @@ pub(crate) async fn reserve(
             view.remaining = None;
             return Ok((
                 "replayed",
-                (StatusCode::OK, axum::Json(view)).into_response(),
+                (StatusCode::OK, JsonAnswer(view)).into_response(),
             ));
         }
         let now = state.now();
@@ -191,12 +192,12 @@ pub(crate) async fn reserve(
         if granted.dry_run {
             return Ok((
                 "dry_run",
-                (StatusCode::OK, headers, axum::Json(view)).into_response(),
+                (StatusCode::OK, headers, JsonAnswer(view)).into_response(),
             ));
         }
         Ok((
             "ok",
-            (StatusCode::CREATED, headers, axum::Json(view)).into_response(),
+            (StatusCode::CREATED, headers, JsonAnswer(view)).into_response(),
         ))
     })
     .await

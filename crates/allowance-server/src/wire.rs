@@ -9,8 +9,8 @@ use std::fmt;
 use std::marker::PhantomData;
 
 use allowance_core::{
-    Amounts, Catalog, Dimension, Granted, Invalid, MAX_AMOUNT, Remaining, Reservation, ScopeStatus,
-    Timestamp, Window, WindowKind,
+    Amounts, Catalog, Dimension, Granted, Invalid, MAX_AMOUNT, Remaining, Reservation,
+    ReservationId, ScopeKey, ScopeStatus, Timestamp, Window, WindowKind,
 };
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
@@ -20,12 +20,16 @@ use utoipa::ToSchema;
 /// by hand (civil date from days, Hinnant's algorithm): every answer
 /// carries several of these, and a general formatter showed in profiles.
 pub fn rfc3339(t: Timestamp) -> String {
-    use std::fmt::Write;
+    ascii_str(&rfc3339_bytes(t)).to_owned()
+}
+
+/// The 24 ASCII bytes of [`rfc3339`]`(t)`, with no heap string.
+fn rfc3339_bytes(t: Timestamp) -> [u8; 24] {
     const DAY_MS: u64 = 86_400_000;
     let ms = t.as_millis();
     if ms >= 253_402_300_800_000 {
         // Beyond year 9999: not an instant this ledger can produce.
-        return "9999-12-31T23:59:59.999Z".to_string();
+        return *b"9999-12-31T23:59:59.999Z";
     }
     let (days, in_day) = ((ms / DAY_MS) as i64, ms % DAY_MS);
     let z = days + 719_468;
@@ -43,12 +47,104 @@ pub fn rfc3339(t: Timestamp) -> String {
         in_day / 1_000 % 60,
         in_day % 1_000,
     );
-    let mut out = String::with_capacity(24);
-    let _ = write!(
-        out,
-        "{year:04}-{month:02}-{day:02}T{h:02}:{m:02}:{s:02}.{milli:03}Z"
-    );
+    // Digits written straight into place: this runs three times in every
+    // answer, and `write!` costs several times the arithmetic above.
+    let mut out = *b"0000-00-00T00:00:00.000Z";
+    let mut put = |at: usize, width: usize, mut n: u64| {
+        for i in (at..at + width).rev() {
+            out[i] = b'0' + (n % 10) as u8;
+            n /= 10;
+        }
+    };
+    put(0, 4, year as u64);
+    put(5, 2, month as u64);
+    put(8, 2, day as u64);
+    put(11, 2, h);
+    put(14, 2, m);
+    put(17, 2, s);
+    put(20, 3, milli);
     out
+}
+
+/// Bytes this module wrote as ASCII, as the `&str` they are.
+fn ascii_str(bytes: &[u8]) -> &str {
+    std::str::from_utf8(bytes).unwrap_or_default()
+}
+
+/// An instant as it goes on the wire: [`rfc3339`], serialized from a
+/// stack buffer (an answer carries several; each would be a heap string).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WireTime(pub Timestamp);
+
+impl Serialize for WireTime {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(ascii_str(&rfc3339_bytes(self.0)))
+    }
+}
+
+/// A reservation id as it goes on the wire (`rsv_` + 32 lowercase hex
+/// digits, as its `Display`), serialized from a stack buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WireId(pub ReservationId);
+
+impl WireId {
+    fn bytes(self) -> [u8; 36] {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut out = *b"rsv_00000000000000000000000000000000";
+        let mut n = self.0.0;
+        for b in out[4..].iter_mut().rev() {
+            *b = HEX[(n & 0xf) as usize];
+            n >>= 4;
+        }
+        out
+    }
+}
+
+impl fmt::Display for WireId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(ascii_str(&self.bytes()))
+    }
+}
+
+impl Serialize for WireId {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(ascii_str(&self.bytes()))
+    }
+}
+
+/// A reservation's canonical scope names as a JSON array, read from its
+/// scope set (no vector of names built per answer).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ScopesView<'a>(pub &'a [ScopeKey]);
+
+impl Serialize for ScopesView<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.0.iter().map(ScopeKey::as_str))
+    }
+}
+
+/// A JSON answer, written into one buffer sized for a reservation object
+/// (axum's `Json` starts at 128 bytes and regrows three times for one).
+#[derive(Debug)]
+pub struct JsonAnswer<T>(pub T);
+
+impl<T: Serialize> axum::response::IntoResponse for JsonAnswer<T> {
+    fn into_response(self) -> axum::response::Response {
+        let mut buf = Vec::with_capacity(1024);
+        match serde_json::to_writer(&mut buf, &self.0) {
+            Ok(()) => (
+                [(
+                    axum::http::header::CONTENT_TYPE,
+                    axum::http::HeaderValue::from_static("application/json"),
+                )],
+                buf,
+            )
+                .into_response(),
+            // Unreachable for these types (string keys, no floats): answer
+            // as axum's own Json would.
+            Err(_) => axum::Json(self.0).into_response(),
+        }
+    }
 }
 
 /// The wire name of a window kind.
@@ -346,7 +442,8 @@ pub struct RemainingView<'a> {
     /// Room left after this reservation (negative after an overrun).
     pub remaining: i64,
     /// When room next appears without new traffic.
-    pub resets_at: Option<String>,
+    #[schema(value_type = Option<String>)]
+    pub resets_at: Option<WireTime>,
 }
 
 impl<'a> RemainingView<'a> {
@@ -358,7 +455,7 @@ impl<'a> RemainingView<'a> {
             window: window_name(r.window),
             capacity: r.capacity,
             remaining: r.remaining,
-            resets_at: r.resets_at.map(rfc3339),
+            resets_at: r.resets_at.map(WireTime),
         }
     }
 }
@@ -368,13 +465,15 @@ impl<'a> RemainingView<'a> {
 pub struct ReservationView<'a> {
     /// `rsv_` + 32 hex digits; absent on a dry run.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub id: Option<String>,
+    #[schema(value_type = Option<String>)]
+    pub id: Option<WireId>,
     /// `held`, `settled`, `refunded`, `expired` (or `dry_run`).
     pub status: &'static str,
     /// The tenant.
     pub tenant: &'a str,
     /// Canonical scopes, the tenant first, then in the request's order.
-    pub scopes: Vec<&'a str>,
+    #[schema(value_type = Vec<String>)]
+    pub scopes: ScopesView<'a>,
     /// The model named at reserve.
     pub model: Option<&'a str>,
     /// Labels.
@@ -384,12 +483,15 @@ pub struct ReservationView<'a> {
     #[schema(value_type = std::collections::BTreeMap<String, u64>)]
     pub held: AmountsView<'a>,
     /// When it was made.
-    pub created_at: String,
+    #[schema(value_type = String)]
+    pub created_at: WireTime,
     /// When the hold expires (or expired).
-    pub expires_at: String,
+    #[schema(value_type = String)]
+    pub expires_at: WireTime,
     /// When it ended.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub ended_at: Option<String>,
+    #[schema(value_type = Option<String>)]
+    pub ended_at: Option<WireTime>,
     /// What a settle recorded after the overrun policy.
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<std::collections::BTreeMap<String, u64>>)]
@@ -422,16 +524,16 @@ impl<'a> ReservationView<'a> {
     pub fn of(r: &'a Reservation, catalog: &'a Catalog) -> Self {
         let ended = r.ended_at.is_some();
         ReservationView {
-            id: Some(r.id.to_string()),
+            id: Some(WireId(r.id)),
             status: r.status.as_str(),
             tenant: r.scopes.tenant_name(),
-            scopes: r.scopes.as_slice().iter().map(|k| k.as_str()).collect(),
+            scopes: ScopesView(r.scopes.as_slice()),
             model: r.model.as_deref(),
             labels: LabelsView(r.labels.as_deref().unwrap_or_default()),
             held: AmountsView::of(&r.held, catalog, &IMPLIED),
-            created_at: rfc3339(r.created_at),
-            expires_at: rfc3339(r.expires_at),
-            ended_at: r.ended_at.map(rfc3339),
+            created_at: WireTime(r.created_at),
+            expires_at: WireTime(r.expires_at),
+            ended_at: r.ended_at.map(WireTime),
             charged: r
                 .charged
                 .as_ref()
@@ -450,19 +552,19 @@ impl<'a> ReservationView<'a> {
         catalog: &'a Catalog,
     ) -> Self {
         ReservationView {
-            id: (!g.dry_run).then(|| g.id.to_string()),
+            id: (!g.dry_run).then_some(WireId(g.id)),
             status: if g.dry_run {
                 "dry_run"
             } else {
                 g.status.as_str()
             },
             tenant: req.scopes.tenant_name(),
-            scopes: req.scopes.as_slice().iter().map(|k| k.as_str()).collect(),
+            scopes: ScopesView(req.scopes.as_slice()),
             model: req.model.as_deref(),
             labels: LabelsView(req.labels.as_deref().unwrap_or_default()),
             held: AmountsView::of(&g.held, catalog, &IMPLIED),
-            created_at: rfc3339(g.created_at),
-            expires_at: rfc3339(g.expires_at),
+            created_at: WireTime(g.created_at),
+            expires_at: WireTime(g.expires_at),
             ended_at: None,
             charged: None,
             late: None,
@@ -626,6 +728,11 @@ mod tests {
                 .strftime("%Y-%m-%dT%H:%M:%S%.3fZ")
                 .to_string();
             assert_eq!(rfc3339(Timestamp::from_millis(ms)), want, "{ms}");
+            assert_eq!(
+                serde_json::to_string(&WireTime(Timestamp::from_millis(ms))).unwrap(),
+                format!("\"{want}\""),
+                "{ms}"
+            );
         }
         assert_eq!(
             rfc3339(Timestamp::from_millis(253_402_300_799_999)),
@@ -635,5 +742,27 @@ mod tests {
             rfc3339(Timestamp::from_millis(u64::MAX)),
             "9999-12-31T23:59:59.999Z"
         );
+    }
+
+    #[test]
+    fn wire_ids_read_as_their_display() {
+        let mut x: u128 = 0x0123_4567_89ab_cdef_fedc_ba98_7654_3210;
+        for n in [0, 1, 0xf, u128::MAX]
+            .into_iter()
+            .chain((0..10_000).map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x
+            }))
+        {
+            let id = ReservationId(n);
+            assert_eq!(WireId(id).to_string(), id.to_string());
+            assert_eq!(
+                serde_json::to_string(&WireId(id)).unwrap(),
+                format!("\"{id}\"")
+            );
+            assert_eq!(ReservationId::parse(&WireId(id).to_string()), Some(id));
+        }
     }
 }
