@@ -372,3 +372,17 @@ async fn status_and_bench_against_a_running_server() {
         "pairs per second:\n{report}"
     );
 }
+
+/// `serve` turns transparent huge pages off for itself (the kernel says
+/// so in the process's status file).
+#[cfg(target_os = "linux")]
+#[test]
+fn serve_runs_without_transparent_huge_pages() {
+    let s = Server::start();
+    let status = std::fs::read_to_string(format!("/proc/{}/status", s.pid())).expect("status");
+    let line = status
+        .lines()
+        .find(|l| l.starts_with("THP_enabled:"))
+        .unwrap_or_else(|| panic!("no THP_enabled line (a kernel before 5.0?): {status}"));
+    assert_eq!(line.split_whitespace().nth(1), Some("0"), "{line}");
+}
