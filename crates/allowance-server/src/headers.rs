@@ -83,13 +83,18 @@ pub fn tightest<'a>(remaining: impl IntoIterator<Item = &'a Remaining>) -> Optio
 /// The success headers: `RateLimit-Policy`/`RateLimit` for the tightest
 /// limit, and `X-RateLimit-Remaining-Tokens` / `-Requests`: the smallest
 /// remaining room among the `tokens` (resp. `requests`) limits of the
-/// reservation's scopes, when there are any (never negative).
-pub fn success_headers(remaining: &[Remaining], now: Timestamp, catalog: &Catalog) -> HeaderMap {
-    let mut h = HeaderMap::new();
+/// reservation's scopes, when there are any (never negative). Added to
+/// `h`, the answer's own headers (no map of their own to merge).
+pub fn add_success_headers(
+    h: &mut HeaderMap,
+    remaining: &[Remaining],
+    now: Timestamp,
+    catalog: &Catalog,
+) {
     if let Some(r) = tightest(remaining) {
         let b = Binding::from_remaining(r, now, catalog);
-        insert(&mut h, "ratelimit-policy", &b.policy());
-        insert(&mut h, "ratelimit", &b.state());
+        insert(h, "ratelimit-policy", &b.policy());
+        insert(h, "ratelimit", &b.state());
     }
     for (dimension, header) in [
         ("tokens", "x-ratelimit-remaining-tokens"),
@@ -101,10 +106,9 @@ pub fn success_headers(remaining: &[Remaining], now: Timestamp, catalog: &Catalo
             .map(|r| r.remaining.max(0))
             .min();
         if let Some(n) = least {
-            insert(&mut h, header, &n.to_string());
+            h.insert(HeaderName::from_static(header), HeaderValue::from(n));
         }
     }
-    h
 }
 
 fn insert(h: &mut HeaderMap, name: &'static str, value: &str) {

@@ -186,19 +186,20 @@ pub(crate) async fn reserve(
                 (StatusCode::OK, JsonAnswer(view)).into_response(),
             ));
         }
-        let now = state.now();
-        let headers = crate::headers::success_headers(&granted.remaining, now, &catalog);
         let view = ReservationView::granted(&granted, &req, &catalog);
-        if granted.dry_run {
-            return Ok((
-                "dry_run",
-                (StatusCode::OK, headers, JsonAnswer(view)).into_response(),
-            ));
-        }
-        Ok((
-            "ok",
-            (StatusCode::CREATED, headers, JsonAnswer(view)).into_response(),
-        ))
+        let (outcome, status) = if granted.dry_run {
+            ("dry_run", StatusCode::OK)
+        } else {
+            ("ok", StatusCode::CREATED)
+        };
+        let mut answer = (status, JsonAnswer(view)).into_response();
+        crate::headers::add_success_headers(
+            answer.headers_mut(),
+            &granted.remaining,
+            state.now(),
+            &catalog,
+        );
+        Ok((outcome, answer))
     })
     .await
 }
