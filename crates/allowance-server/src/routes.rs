@@ -18,8 +18,7 @@ use crate::auth::Principal;
 use crate::error::{ApiError, ErrorBody, IntoApiError};
 use crate::extract::{JsonBody, OptionalJsonBody};
 use crate::wire::{
-    ExtendBody, JsonAnswer, RefundBody, ReservationView, ReserveBody, ScopeStatusView, SettleBody,
-    amounts_of,
+    ExtendBody, RefundBody, ReservationView, ReserveBody, ScopeStatusView, SettleBody, amounts_of,
 };
 use crate::{AppState, metrics};
 
@@ -65,7 +64,7 @@ where
 
 /// The answer of get, settle, refund and extend: the reservation object.
 fn reservation_answer(r: &Reservation, catalog: &Catalog) -> Response {
-    JsonAnswer(ReservationView::of(r, catalog)).into_response()
+    ReservationView::of(r, catalog).into_response()
 }
 
 /// `rsv_…` → id; anything else answers 404, as an unknown id does.
@@ -181,10 +180,7 @@ pub(crate) async fn reserve(
             };
             view.replayed = Some(true);
             view.remaining = None;
-            return Ok((
-                "replayed",
-                (StatusCode::OK, JsonAnswer(view)).into_response(),
-            ));
+            return Ok(("replayed", (StatusCode::OK, view).into_response()));
         }
         let view = ReservationView::granted(&granted, &req, &catalog);
         let (outcome, status) = if granted.dry_run {
@@ -192,7 +188,7 @@ pub(crate) async fn reserve(
         } else {
             ("ok", StatusCode::CREATED)
         };
-        let mut answer = (status, JsonAnswer(view)).into_response();
+        let mut answer = (status, view).into_response();
         crate::headers::add_success_headers(
             answer.headers_mut(),
             &granted.remaining,
