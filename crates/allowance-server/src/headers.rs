@@ -40,7 +40,7 @@ impl Binding {
     /// A limit's room after a grant.
     pub fn from_remaining(r: &Remaining, now: Timestamp, catalog: &Catalog) -> Binding {
         Binding {
-            name: format!("{}-{}", r.scope.kind(), r.dimension),
+            name: [r.scope.kind(), "-", &r.dimension].concat(),
             capacity: r.capacity,
             window_s: window_seconds(catalog, &r.scope, &r.dimension, r.window, r.capacity),
             remaining: r.remaining.max(0) as u64,
@@ -54,18 +54,28 @@ impl Binding {
 
     /// `RateLimit-Policy`.
     pub fn policy(&self) -> String {
-        match self.window_s {
-            Some(w) => format!("\"{}\";q={};w={}", self.name, self.capacity, w),
-            None => format!("\"{}\";q={}", self.name, self.capacity),
-        }
+        self.item(("q", self.capacity), self.window_s.map(|w| ("w", w)))
     }
 
     /// `RateLimit`.
     pub fn state(&self) -> String {
-        match self.reset_s {
-            Some(t) => format!("\"{}\";r={};t={}", self.name, self.remaining, t),
-            None => format!("\"{}\";r={}", self.name, self.remaining),
+        self.item(("r", self.remaining), self.reset_s.map(|t| ("t", t)))
+    }
+
+    /// `"<name>";<k>=<v>[;<k>=<v>]`, built without the formatting
+    /// machinery (every grant answers two of these).
+    fn item(&self, first: (&str, u64), second: Option<(&str, u64)>) -> String {
+        let mut out = String::with_capacity(self.name.len() + 40);
+        out.push('"');
+        out.push_str(&self.name);
+        out.push('"');
+        for (key, n) in std::iter::once(first).chain(second) {
+            out.push(';');
+            out.push_str(key);
+            out.push('=');
+            out.push_str(itoa::Buffer::new().format(n));
         }
+        out
     }
 }
 
