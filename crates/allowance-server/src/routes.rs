@@ -188,7 +188,8 @@ pub(crate) async fn reserve(
         } else {
             ("ok", StatusCode::CREATED)
         };
-        let mut answer = (status, view).into_response();
+        let mut answer = view.into_response();
+        *answer.status_mut() = status;
         crate::headers::add_success_headers(
             answer.headers_mut(),
             &granted.remaining,

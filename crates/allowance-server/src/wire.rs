@@ -639,15 +639,15 @@ impl ReservationView<'_> {
 }
 
 impl axum::response::IntoResponse for ReservationView<'_> {
+    /// 200 with the JSON (built directly: axum's `Vec<u8>` answer sets an
+    /// octet-stream type that would then be replaced).
     fn into_response(self) -> axum::response::Response {
-        (
-            [(
-                axum::http::header::CONTENT_TYPE,
-                axum::http::HeaderValue::from_static("application/json"),
-            )],
-            self.to_json(),
-        )
-            .into_response()
+        let mut answer = axum::response::Response::new(axum::body::Body::from(self.to_json()));
+        answer.headers_mut().insert(
+            axum::http::header::CONTENT_TYPE,
+            axum::http::HeaderValue::from_static("application/json"),
+        );
+        answer
     }
 }
 
