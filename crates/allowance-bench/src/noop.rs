@@ -202,6 +202,11 @@ fn parse<T: DeserializeOwned>(
             None,
         ));
     }
+    // As the real server parses: serde_json's plain path for a good body,
+    // the path-tracking one again only to name a bad field.
+    if let Ok(parsed) = serde_json::from_slice::<T>(&bytes) {
+        return Ok(Some(parsed));
+    }
     let mut deserializer = serde_json::Deserializer::from_slice(&bytes);
     let parsed = serde_path_to_error::deserialize::<_, T>(&mut deserializer)
         .map_err(|e| invalid(e.path().to_string(), e.into_inner()))?;

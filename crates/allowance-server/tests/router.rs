@@ -97,3 +97,40 @@ async fn the_sweeper_expires_abandoned_holds_with_no_request() {
     }
     sweeper.abort();
 }
+
+/// A body that never finishes (a client that stalls mid-request) is cut at
+/// the request timeout with the spec's 503, and reserves nothing.
+#[tokio::test]
+async fn a_stalled_body_is_cut_at_the_request_timeout() {
+    let (store, _, _) = world();
+    let options = Options {
+        request_timeout: Duration::from_millis(200),
+        max_wait_ms: 0,
+        ..Options::default()
+    };
+    let state = AppState::new(store.clone(), Credentials::default(), options);
+    let first = futures_util::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::from_static(
+        b"{\"tenant\": \"acme\", ",
+    ))]);
+    let stalled = futures_util::StreamExt::chain(first, futures_util::stream::pending());
+    let req = Request::builder()
+        .method("POST")
+        .uri("/v1/reservations")
+        .header("content-type", "application/json")
+        .body(Body::from_stream(stalled))
+        .unwrap();
+    // Generous: the cut comes at 200 ms; only a hang would reach this.
+    let resp = tokio::time::timeout(Duration::from_secs(30), app(state).oneshot(req))
+        .await
+        .expect("the request timeout cut the stalled body")
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body: serde_json::Value =
+        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert_eq!(body["error"]["type"], "store_unavailable", "{body}");
+    let status =
+        allowance_core::Store::status(&*store, &allowance_core::ScopeKey::tenant("acme").unwrap())
+            .await
+            .unwrap();
+    assert!(status.limits.iter().all(|l| l.held == 0), "nothing held");
+}
