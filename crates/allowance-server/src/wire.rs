@@ -499,7 +499,11 @@ const IMPLIED: [Dimension; 2] = [Dimension::REQUESTS, Dimension::CONCURRENT];
 /// and statuses: the usual case), else serde_json's own escaping.
 fn json_str(out: &mut Vec<u8>, s: &str) {
     // serde_json escapes exactly these: control characters, `"` and `\`.
-    if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+    // (No early exit: the scan of a short name vectorizes.)
+    let plain = s
+        .bytes()
+        .fold(true, |ok, b| ok & (b >= 0x20) & (b != b'"') & (b != b'\\'));
+    if plain {
         out.push(b'"');
         out.extend_from_slice(s.as_bytes());
         out.push(b'"');
@@ -507,6 +511,16 @@ fn json_str(out: &mut Vec<u8>, s: &str) {
         // Writing into a Vec cannot fail, and a &str always serializes.
         let _ = serde_json::to_writer(&mut *out, s);
     }
+}
+
+fn json_time(out: &mut Vec<u8>, t: WireTime) {
+    out.push(b'"');
+    out.extend_from_slice(&rfc3339_bytes(t.0));
+    out.push(b'"');
+}
+
+fn json_bool(out: &mut Vec<u8>, b: bool) {
+    out.extend_from_slice(if b { b"true" } else { b"false" });
 }
 
 fn json_u64(out: &mut Vec<u8>, n: u64) {
@@ -576,33 +590,25 @@ impl ReservationView<'_> {
         );
         out.extend_from_slice(b",\"held\":");
         json_amounts(&mut out, &self.held);
-        out.extend_from_slice(b",\"created_at\":\"");
-        out.extend_from_slice(&rfc3339_bytes(self.created_at.0));
-        out.extend_from_slice(b"\",\"expires_at\":\"");
-        out.extend_from_slice(&rfc3339_bytes(self.expires_at.0));
-        out.push(b'"');
+        out.extend_from_slice(b",\"created_at\":");
+        json_time(&mut out, self.created_at);
+        out.extend_from_slice(b",\"expires_at\":");
+        json_time(&mut out, self.expires_at);
         if let Some(t) = self.ended_at {
-            out.extend_from_slice(b",\"ended_at\":\"");
-            out.extend_from_slice(&rfc3339_bytes(t.0));
-            out.push(b'"');
+            out.extend_from_slice(b",\"ended_at\":");
+            json_time(&mut out, t);
         }
         if let Some(c) = &self.charged {
             out.extend_from_slice(b",\"charged\":");
             json_amounts(&mut out, c);
         }
         if let Some(late) = self.late {
-            out.extend_from_slice(if late {
-                b",\"late\":true"
-            } else {
-                b",\"late\":false"
-            });
+            out.extend_from_slice(b",\"late\":");
+            json_bool(&mut out, late);
         }
-        if let Some(r) = self.replayed {
-            out.extend_from_slice(if r {
-                b",\"replayed\":true"
-            } else {
-                b",\"replayed\":false"
-            });
+        if let Some(replayed) = self.replayed {
+            out.extend_from_slice(b",\"replayed\":");
+            json_bool(&mut out, replayed);
         }
         if let Some(list) = &self.remaining {
             out.extend_from_slice(b",\"remaining\":[");
@@ -622,11 +628,7 @@ impl ReservationView<'_> {
                 json_i64(&mut out, r.remaining);
                 out.extend_from_slice(b",\"resets_at\":");
                 match r.resets_at {
-                    Some(t) => {
-                        out.push(b'"');
-                        out.extend_from_slice(&rfc3339_bytes(t.0));
-                        out.push(b'"');
-                    }
+                    Some(t) => json_time(&mut out, t),
                     None => out.extend_from_slice(b"null"),
                 }
                 out.push(b'}');
