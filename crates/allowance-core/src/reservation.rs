@@ -78,9 +78,32 @@ impl ReservationId {
     }
 }
 
+impl ReservationId {
+    /// Its text form (`rsv_` + 32 lowercase hex digits, as `Display`
+    /// writes it) as ASCII bytes, with no allocation: every answer carries
+    /// an id.
+    ///
+    /// ```
+    /// use allowance_core::ReservationId;
+    /// let id = ReservationId(0xabc);
+    /// assert_eq!(&id.to_ascii()[..], id.to_string().as_bytes());
+    /// ```
+    pub fn to_ascii(self) -> [u8; 36] {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut out = *b"rsv_00000000000000000000000000000000";
+        let mut n = self.0;
+        for b in out[4..].iter_mut().rev() {
+            *b = HEX[(n & 0xf) as usize];
+            n >>= 4;
+        }
+        out
+    }
+}
+
 impl fmt::Display for ReservationId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "rsv_{:032x}", self.0)
+        // Only ASCII digits, letters and `_` were written.
+        f.write_str(std::str::from_utf8(&self.to_ascii()).unwrap_or_default())
     }
 }
 

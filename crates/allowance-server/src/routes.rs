@@ -180,7 +180,7 @@ pub(crate) async fn reserve(
             };
             view.replayed = Some(true);
             view.remaining = None;
-            return Ok(("replayed", (StatusCode::OK, view).into_response()));
+            return Ok(("replayed", view.into_response()));
         }
         let view = ReservationView::granted(&granted, &req, &catalog);
         let (outcome, status) = if granted.dry_run {

@@ -107,7 +107,7 @@ impl<'a> UsageRecordView<'a> {
             // The reservation object's own rendering, so amounts and names
             // read the same in both places.
             let r = ReservationView::of(r, catalog);
-            view.reservation = r.id.map(|id| id.to_string());
+            view.reservation = r.id.map(|id| id.0.to_string());
             view.scopes = r.scopes.0.iter().map(|k| k.as_str()).collect();
             view.model = r.model;
             view.labels = Some(r.labels);

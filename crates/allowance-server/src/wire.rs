@@ -82,33 +82,14 @@ impl Serialize for WireTime {
     }
 }
 
-/// A reservation id as it goes on the wire (`rsv_` + 32 lowercase hex
-/// digits, as its `Display`), serialized from a stack buffer.
+/// A reservation id as it goes on the wire (its `Display`), serialized
+/// from a stack buffer ([`ReservationId::to_ascii`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WireId(pub ReservationId);
 
-impl WireId {
-    fn bytes(self) -> [u8; 36] {
-        const HEX: &[u8; 16] = b"0123456789abcdef";
-        let mut out = *b"rsv_00000000000000000000000000000000";
-        let mut n = self.0.0;
-        for b in out[4..].iter_mut().rev() {
-            *b = HEX[(n & 0xf) as usize];
-            n >>= 4;
-        }
-        out
-    }
-}
-
-impl fmt::Display for WireId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(ascii_str(&self.bytes()))
-    }
-}
-
 impl Serialize for WireId {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(ascii_str(&self.bytes()))
+        s.serialize_str(ascii_str(&self.0.to_ascii()))
     }
 }
 
@@ -523,33 +504,50 @@ fn json_bool(out: &mut Vec<u8>, b: bool) {
     out.extend_from_slice(if b { b"true" } else { b"false" });
 }
 
-fn json_u64(out: &mut Vec<u8>, n: u64) {
+fn json_int(out: &mut Vec<u8>, n: impl itoa::Integer) {
     out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
 }
 
-fn json_i64(out: &mut Vec<u8>, n: i64) {
-    out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
+/// `value`, or `null`.
+fn json_opt<T>(out: &mut Vec<u8>, value: Option<T>, write: impl FnOnce(&mut Vec<u8>, T)) {
+    match value {
+        Some(v) => write(out, v),
+        None => out.extend_from_slice(b"null"),
+    }
 }
 
-fn json_pairs<V: Copy>(
+/// `open`, the items separated by commas, `close`: an array or an object.
+fn json_seq<T>(
     out: &mut Vec<u8>,
-    pairs: impl IntoIterator<Item = (V, impl AsRef<str>)>,
-    mut value: impl FnMut(&mut Vec<u8>, V),
+    [open, close]: [u8; 2],
+    items: impl IntoIterator<Item = T>,
+    mut write: impl FnMut(&mut Vec<u8>, T),
 ) {
-    out.push(b'{');
-    for (i, (v, k)) in pairs.into_iter().enumerate() {
+    out.push(open);
+    for (i, item) in items.into_iter().enumerate() {
         if i > 0 {
             out.push(b',');
         }
-        json_str(out, k.as_ref());
+        write(out, item);
+    }
+    out.push(close);
+}
+
+/// An object of string keys, in order.
+fn json_object<'k, V>(
+    out: &mut Vec<u8>,
+    pairs: impl IntoIterator<Item = (&'k str, V)>,
+    mut value: impl FnMut(&mut Vec<u8>, V),
+) {
+    json_seq(out, *b"{}", pairs, |out, (k, v)| {
+        json_str(out, k);
         out.push(b':');
         value(out, v);
-    }
-    out.push(b'}');
+    });
 }
 
 fn json_amounts(out: &mut Vec<u8>, a: &AmountsView<'_>) {
-    json_pairs(out, a.0.iter().map(|&(k, n)| (n, k)), json_u64);
+    json_object(out, a.0.iter().copied(), json_int);
 }
 
 impl ReservationView<'_> {
@@ -563,29 +561,23 @@ impl ReservationView<'_> {
         out.push(b'{');
         if let Some(id) = self.id {
             out.extend_from_slice(b"\"id\":\"");
-            out.extend_from_slice(&id.bytes());
+            out.extend_from_slice(&id.0.to_ascii());
             out.extend_from_slice(b"\",");
         }
         out.extend_from_slice(b"\"status\":");
         json_str(&mut out, self.status);
         out.extend_from_slice(b",\"tenant\":");
         json_str(&mut out, self.tenant);
-        out.extend_from_slice(b",\"scopes\":[");
-        for (i, k) in self.scopes.0.iter().enumerate() {
-            if i > 0 {
-                out.push(b',');
-            }
-            json_str(&mut out, k.as_str());
-        }
-        out.extend_from_slice(b"],\"model\":");
-        match self.model {
-            Some(m) => json_str(&mut out, m),
-            None => out.extend_from_slice(b"null"),
-        }
+        out.extend_from_slice(b",\"scopes\":");
+        json_seq(&mut out, *b"[]", self.scopes.0, |out, k| {
+            json_str(out, k.as_str())
+        });
+        out.extend_from_slice(b",\"model\":");
+        json_opt(&mut out, self.model, json_str);
         out.extend_from_slice(b",\"labels\":");
-        json_pairs(
+        json_object(
             &mut out,
-            self.labels.0.iter().map(|(k, v)| (v.as_str(), k)),
+            self.labels.0.iter().map(|(k, v)| (k.as_str(), v.as_str())),
             json_str,
         );
         out.extend_from_slice(b",\"held\":");
@@ -611,29 +603,22 @@ impl ReservationView<'_> {
             json_bool(&mut out, replayed);
         }
         if let Some(list) = &self.remaining {
-            out.extend_from_slice(b",\"remaining\":[");
-            for (i, r) in list.iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
+            out.extend_from_slice(b",\"remaining\":");
+            json_seq(&mut out, *b"[]", list, |out, r| {
                 out.extend_from_slice(b"{\"scope\":");
-                json_str(&mut out, r.scope);
+                json_str(out, r.scope);
                 out.extend_from_slice(b",\"dimension\":");
-                json_str(&mut out, r.dimension);
+                json_str(out, r.dimension);
                 out.extend_from_slice(b",\"window\":");
-                json_str(&mut out, r.window);
+                json_str(out, r.window);
                 out.extend_from_slice(b",\"capacity\":");
-                json_u64(&mut out, r.capacity);
+                json_int(out, r.capacity);
                 out.extend_from_slice(b",\"remaining\":");
-                json_i64(&mut out, r.remaining);
+                json_int(out, r.remaining);
                 out.extend_from_slice(b",\"resets_at\":");
-                match r.resets_at {
-                    Some(t) => json_time(&mut out, t),
-                    None => out.extend_from_slice(b"null"),
-                }
+                json_opt(out, r.resets_at, json_time);
                 out.push(b'}');
-            }
-            out.push(b']');
+            });
         }
         out.push(b'}');
         out
@@ -891,12 +876,12 @@ mod tests {
             }))
         {
             let id = ReservationId(n);
-            assert_eq!(WireId(id).to_string(), id.to_string());
+            assert_eq!(id.to_string(), format!("rsv_{n:032x}"));
             assert_eq!(
                 serde_json::to_string(&WireId(id)).unwrap(),
                 format!("\"{id}\"")
             );
-            assert_eq!(ReservationId::parse(&WireId(id).to_string()), Some(id));
+            assert_eq!(ReservationId::parse(&id.to_string()), Some(id));
         }
     }
 
