@@ -50,8 +50,12 @@ async fn fail_open_local_admits_at_most_the_emergency_limits() {
         appendfsync: "always",
         ..Default::default()
     });
+    // A killed Redis refuses connections at once, so the outage is seen
+    // without waiting for the timeout; a generous one keeps a slow but
+    // live Redis (a loaded CI machine) from failing open before the
+    // outage, which would settle the first reservation locally.
     let toml = format!(
-        "{CONFIG}\n[store]\nkind = \"redis\"\nurl = \"{}\"\ntimeout_ms = 300\non_error = \"fail_open_local\"\nfail_open_fraction = 0.1\n",
+        "{CONFIG}\n[store]\nkind = \"redis\"\nurl = \"{}\"\ntimeout_ms = 3000\non_error = \"fail_open_local\"\nfail_open_fraction = 0.1\n",
         redis.url()
     );
     let (_dir, path) = config_file(&toml);

@@ -372,6 +372,50 @@ impl Hammer {
         }
     }
 
+    /// Prints what the ledger says of every reservation counted in gauge
+    /// `g` (and of `new`, just granted on combo `ci`): which are HELD.
+    fn explain_gauge(&self, g: usize, new: ReservationId, ci: usize) {
+        let now = self.now();
+        let pool: Vec<Arc<Live>> = self.pool.lock().unwrap().clone();
+        let mut lines = vec![format!(
+            "gauge {g} over capacity at {now:?}; new {new} (combo {ci})"
+        )];
+        for live in pool.iter().filter(|l| {
+            l.counted.load(Ordering::SeqCst) && self.combos[l.combo].gauges().contains(&g)
+        }) {
+            let r = self.ledger.get(now, live.id);
+            lines.push(format!(
+                "  counted {} combo {}: {:?} expires {:?} scopes {:?}",
+                live.id,
+                live.combo,
+                r.as_ref().map(|r| r.status),
+                r.as_ref().map(|r| r.expires_at),
+                r.as_ref().map(|r| r
+                    .scopes
+                    .as_slice()
+                    .iter()
+                    .map(|k| k.to_string())
+                    .collect::<Vec<_>>()),
+            ));
+        }
+        let r = self.ledger.get(now, new);
+        lines.push(format!("  new: {:?}", r.map(|r| (r.status, r.expires_at))));
+        for key in self.combos[ci].scopes.as_slice() {
+            let st = self.ledger.status(now, key);
+            let gauge = st
+                .limits
+                .iter()
+                .find(|l| l.window.kind() == WindowKind::Concurrent);
+            lines.push(format!(
+                "  {}: held_reservations {} gauge {:?}",
+                key,
+                st.held_reservations,
+                gauge.map(|l| (l.held, l.capacity))
+            ));
+        }
+        eprintln!("{}", lines.join("\n"));
+    }
+
     fn reserve(&self, rng: &mut Rng, report: &mut Report) {
         let ci = rng.below(self.combos.len() as u64) as usize;
         let combo = &self.combos[ci];
@@ -398,6 +442,9 @@ impl Hammer {
                 if long {
                     for g in combo.gauges() {
                         let held = self.gauges[g].fetch_add(1, Ordering::SeqCst) + 1;
+                        if held as u64 > gauge_capacity(g) {
+                            self.explain_gauge(g, id, ci);
+                        }
                         assert!(
                             held as u64 <= gauge_capacity(g),
                             "gauge {g}: {held} reservations certainly HELD, capacity {}",
@@ -459,7 +506,15 @@ impl Hammer {
         self.uncount(&live);
         let r = self.ledger.settle_view(self.now(), live.id, &usage);
         match &r {
-            Ok(res) => assert_eq!(res.status, Status::Settled, "{}", live.id),
+            Ok(res) => {
+                assert_eq!(res.status, Status::Settled, "{}", live.id);
+                // A long hold outlives the run: it can never have expired.
+                assert!(
+                    !(live.long && res.late),
+                    "long {} settled late: {res:?}",
+                    live.id
+                );
+            }
             Err(SettleError::Conflict { status }) => {
                 assert_eq!(*status, Status::Refunded, "{}", live.id)
             }
@@ -477,12 +532,19 @@ impl Hammer {
         self.uncount(&live);
         let r = self.ledger.refund_view(self.now(), live.id);
         match &r {
-            Ok(res) => assert!(
-                matches!(res.status, Status::Refunded | Status::Expired),
-                "refund {} answered {}",
-                live.id,
-                res.status
-            ),
+            Ok(res) => {
+                assert!(
+                    matches!(res.status, Status::Refunded | Status::Expired),
+                    "refund {} answered {}",
+                    live.id,
+                    res.status
+                );
+                assert!(
+                    !(live.long && res.status == Status::Expired),
+                    "long {} expired: {res:?}",
+                    live.id
+                );
+            }
             Err(RefundError::Conflict { status }) => {
                 assert_eq!(*status, Status::Settled, "{}", live.id)
             }
