@@ -169,7 +169,11 @@ struct Live {
     /// Still counted in the gauges (only long holds are); the first thread
     /// to end it takes it out, before its call, so the gauge never counts a
     /// reservation the ledger may already have released.
-    counted: AtomicBool,
+    /// A lock, not an atomic flag: the thread that clears it keeps it
+    /// until the gauges went down, so another thread that finds it cleared
+    /// cannot end the reservation in between (with a flag it could, and the
+    /// gauges then counted a released hold: a false "over capacity").
+    counted: Mutex<bool>,
 }
 
 /// One answer to a settle or refund.
@@ -230,6 +234,10 @@ struct Hammer {
     /// scope: raised after a long reserve is granted, lowered before the
     /// first call that may end it.
     gauges: Vec<AtomicI64>,
+    /// Every reservation the gauges count now, by id (its combo): taken in
+    /// before the count goes up and out after it goes down, so a count over
+    /// capacity can name them all, the ones a thread is ending included.
+    counted: Mutex<HashMap<ReservationId, usize>>,
 }
 
 impl Hammer {
@@ -343,6 +351,7 @@ impl Hammer {
             clock_ms: AtomicU64::new(START_MS),
             pool: Mutex::new(Vec::new()),
             gauges: (0..=TENANTS * 4).map(|_| AtomicI64::new(0)).collect(),
+            counted: Mutex::new(HashMap::new()),
         }
     }
 
@@ -365,10 +374,15 @@ impl Hammer {
 
     /// Takes a reservation out of the gauges, once, before a call that may end it.
     fn uncount(&self, live: &Live) {
-        if live.long && live.counted.swap(false, Ordering::SeqCst) {
+        if !live.long {
+            return;
+        }
+        let mut counted = live.counted.lock().unwrap();
+        if std::mem::take(&mut *counted) {
             for g in self.combos[live.combo].gauges() {
                 self.gauges[g].fetch_sub(1, Ordering::SeqCst);
             }
+            self.counted.lock().unwrap().remove(&live.id);
         }
     }
 
@@ -376,20 +390,28 @@ impl Hammer {
     /// `g` (and of `new`, just granted on combo `ci`): which are HELD.
     fn explain_gauge(&self, g: usize, new: ReservationId, ci: usize) {
         let now = self.now();
-        let pool: Vec<Arc<Live>> = self.pool.lock().unwrap().clone();
+        let counted: Vec<(ReservationId, usize)> = self
+            .counted
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(id, c)| (*id, *c))
+            .collect();
         let mut lines = vec![format!(
             "gauge {g} over capacity at {now:?}; new {new} (combo {ci})"
         )];
-        for live in pool.iter().filter(|l| {
-            l.counted.load(Ordering::SeqCst) && self.combos[l.combo].gauges().contains(&g)
-        }) {
-            let r = self.ledger.get(now, live.id);
+        for (id, combo) in counted
+            .into_iter()
+            .filter(|(_, c)| self.combos[*c].gauges().contains(&g))
+        {
+            let r = self.ledger.get(now, id);
             lines.push(format!(
-                "  counted {} combo {}: {:?} expires {:?} scopes {:?}",
-                live.id,
-                live.combo,
+                "  counted {} combo {}: {:?} expires {:?} ended {:?} scopes {:?}",
+                id,
+                combo,
                 r.as_ref().map(|r| r.status),
                 r.as_ref().map(|r| r.expires_at),
+                r.as_ref().map(|r| r.ended_at),
                 r.as_ref().map(|r| r
                     .scopes
                     .as_slice()
@@ -440,6 +462,7 @@ impl Hammer {
                 report.stats.granted += 1;
                 report.granted.push((id, ci));
                 if long {
+                    self.counted.lock().unwrap().insert(id, ci);
                     for g in combo.gauges() {
                         let held = self.gauges[g].fetch_add(1, Ordering::SeqCst) + 1;
                         if held as u64 > gauge_capacity(g) {
@@ -458,7 +481,7 @@ impl Hammer {
                     long,
                     tokens,
                     cost_micros,
-                    counted: AtomicBool::new(long),
+                    counted: Mutex::new(long),
                 }));
             }
             Err(ReserveError::Denied(d)) => {
@@ -657,9 +680,27 @@ fn hammer_many_threads_no_overspend_exact_accounting_each_reservation_ends_once(
         let checker = s.spawn(|| {
             start.wait();
             let mut checks = 0u64;
+            // Every concurrency-limited scope, read between the checks: a
+            // gauge over its capacity is caught in the act, by the ledger's
+            // own figures.
+            let mut gauged: Vec<ScopeKey> = vec![key("tool:search")];
+            for c in &h.combos {
+                let t = c.scopes.tenant_name();
+                for n in ["user:u0", "user:u1", "agent:a0", "agent:a1"] {
+                    let k = key(&format!("tenant:{t}/{n}"));
+                    if !gauged.contains(&k) {
+                        gauged.push(k);
+                    }
+                }
+            }
             while !done.load(Ordering::SeqCst) {
                 if let Err(e) = h.ledger.check_invariants(h.now()) {
                     panic!("mid-run invariant broken: {e}");
+                }
+                for k in &gauged {
+                    let st = h.ledger.status(h.now(), k);
+                    let g = find(&st, "concurrent", WindowKind::Concurrent);
+                    assert!(g.held <= g.capacity, "{k}: {g:?} (mid-run)");
                 }
                 checks += 1;
                 thread::sleep(std::time::Duration::from_millis(1));
