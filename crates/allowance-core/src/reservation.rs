@@ -334,3 +334,32 @@ pub struct ScopeStatus {
     /// Every limit of its plan.
     pub limits: Vec<LimitStatus>,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::ReservationId;
+
+    #[test]
+    fn ids_parse_only_in_their_display_form() {
+        let id = ReservationId(0x0123_4567_89ab_cdef_0011_2233_4455_66ff);
+        assert_eq!(ReservationId::parse(&id.to_string()), Some(id));
+        assert_eq!(
+            ReservationId::parse("rsv_ffffffffffffffffffffffffffffffff"),
+            Some(ReservationId(u128::MAX))
+        );
+        for bad in [
+            "",
+            "rsv_",
+            "0123456789abcdef0011223344556600",
+            "rsv_0123456789ABCDEF0011223344556600",
+            "rsv_0123456789abcdef001122334455660g",
+            "rsv_0123456789abcdef00112233445566",
+            "rsv_0123456789abcdef001122334455660000",
+            "RSV_0123456789abcdef0011223344556600",
+            "rsv_0123456789abcdef00112233445566é",
+            "rsv_ 123456789abcdef0011223344556600",
+        ] {
+            assert_eq!(ReservationId::parse(bad), None, "{bad:?}");
+        }
+    }
+}
