@@ -203,33 +203,39 @@ fn report_scope(
     let earliest = st.earliest_expiry();
     out.reserve(st.plan.limits().len());
     for li in 0..st.plan.limits().len() {
-        let (dimension, window, capacity) = {
-            let l = &st.plan.limits()[li];
-            (l.dimension(), l.window().kind(), l.capacity())
-        };
-        let (used, held, resets_at) = limit_figures(st, li, earliest, now);
+        let f = limit_figures(st, li, earliest, now);
         out.push(Remaining {
             scope: key.clone(),
-            dimension: catalog.dimension_name(dimension).to_string(),
-            window,
-            capacity,
-            remaining: sat_i64(i128::from(capacity) - i128::from(used) - i128::from(held)),
-            resets_at: resets_at.map(Timestamp::from_millis),
+            dimension: catalog.dimension_name(f.dimension).to_string(),
+            window: st.plan.limits()[li].window().kind(),
+            capacity: f.capacity,
+            remaining: f.remaining,
+            resets_at: f.resets_at,
         });
     }
 }
 
-/// Limit `li`'s usage, holds and next room (`earliest`: the scope's
-/// earliest hold expiry, a concurrent limit's).
-fn limit_figures(
-    st: &mut ScopeState,
-    li: usize,
-    earliest: Option<u64>,
-    now: u64,
-) -> (i64, u64, Option<u64>) {
-    let (dimension, concurrent) = {
+/// One limit's figures, shared by a grant's report and a status read.
+struct Figures {
+    dimension: Dimension,
+    capacity: u64,
+    used: i64,
+    held: u64,
+    /// `capacity − used − held`, saturated.
+    remaining: i64,
+    resets_at: Option<Timestamp>,
+}
+
+/// Limit `li`'s figures (`earliest`: the scope's earliest hold expiry, a
+/// concurrent limit's next room).
+fn limit_figures(st: &mut ScopeState, li: usize, earliest: Option<u64>, now: u64) -> Figures {
+    let (dimension, capacity, concurrent) = {
         let l = &st.plan.limits()[li];
-        (l.dimension(), matches!(l.window(), Window::Concurrent))
+        (
+            l.dimension(),
+            l.capacity(),
+            matches!(l.window(), Window::Concurrent),
+        )
     };
     let held = st.held(dimension);
     let mut s = st.state(li);
@@ -239,25 +245,29 @@ fn limit_figures(
     } else {
         s.resets_at(now)
     };
-    (used, held, resets_at)
+    Figures {
+        dimension,
+        capacity,
+        used,
+        held,
+        remaining: sat_i64(i128::from(capacity) - i128::from(used) - i128::from(held)),
+        resets_at: resets_at.map(Timestamp::from_millis),
+    }
 }
 
 pub(crate) fn limit_statuses(catalog: &Catalog, st: &mut ScopeState, now: u64) -> Vec<LimitStatus> {
     let earliest = st.earliest_expiry();
     (0..st.plan.limits().len())
         .map(|li| {
-            let limit = st.plan.limits()[li].clone();
-            let (used, held, resets_at) = limit_figures(st, li, earliest, now);
+            let f = limit_figures(st, li, earliest, now);
             LimitStatus {
-                dimension: catalog.dimension_name(limit.dimension()).to_string(),
-                capacity: limit.capacity(),
-                used,
-                held,
-                remaining: sat_i64(
-                    i128::from(limit.capacity()) - i128::from(used) - i128::from(held),
-                ),
-                resets_at: resets_at.map(Timestamp::from_millis),
-                window: limit.window().clone(),
+                dimension: catalog.dimension_name(f.dimension).to_string(),
+                capacity: f.capacity,
+                used: f.used,
+                held: f.held,
+                remaining: f.remaining,
+                resets_at: f.resets_at,
+                window: st.plan.limits()[li].window().clone(),
             }
         })
         .collect()
