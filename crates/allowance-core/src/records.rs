@@ -12,6 +12,9 @@
 //! record is written to warm memory, and no reserve allocates once the slab
 //! has grown to the steady state.
 //!
+//! The slab grows by segments that double in length, so growing never moves
+//! a record: a vector's doubling would copy every remembered record (a day
+//! of them, hundreds of megabytes) under the shard's lock in one operation.
 //! The slab is compacted when fewer than a quarter of its slots are live, so
 //! its memory follows the number of remembered records down after a burst.
 //! Indices are therefore valid within one operation only: nothing keeps
@@ -31,6 +34,82 @@ const COMPACT_MIN_SLOTS: usize = 1024;
 /// A table entry: the record's slab index and 32 bits of its id's hash.
 type Entry = (u32, u32);
 
+/// log2 of the first segment's length.
+const FIRST_SEGMENT_LOG2: u32 = 6;
+
+/// Slots by index, in segments of 64, 128, 256, … slots: slot `i` is in
+/// segment `log2(i / 64 + 1)`. A segment is allocated at its full length
+/// but filled as slots are pushed, so nothing is written ahead of use.
+#[derive(Clone, Debug)]
+struct Segments<T> {
+    segments: Vec<Vec<Option<T>>>,
+    len: usize,
+}
+
+impl<T> Default for Segments<T> {
+    fn default() -> Self {
+        Segments {
+            segments: Vec::new(),
+            len: 0,
+        }
+    }
+}
+
+impl<T> Segments<T> {
+    /// Slot `i`'s segment and its place in it.
+    #[inline]
+    fn locate(i: usize) -> (usize, usize) {
+        let j = i + (1 << FIRST_SEGMENT_LOG2);
+        let segment = (usize::BITS - 1 - j.leading_zeros()) - FIRST_SEGMENT_LOG2;
+        (segment as usize, j - (1 << (segment + FIRST_SEGMENT_LOG2)))
+    }
+
+    #[inline]
+    fn get(&self, i: usize) -> &Option<T> {
+        let (s, k) = Self::locate(i);
+        &self.segments[s][k]
+    }
+
+    #[inline]
+    fn get_mut(&mut self, i: usize) -> &mut Option<T> {
+        let (s, k) = Self::locate(i);
+        &mut self.segments[s][k]
+    }
+
+    /// Adds a slot at the end; returns its index.
+    #[inline]
+    fn push(&mut self, value: Option<T>) -> usize {
+        let (s, _) = Self::locate(self.len);
+        if s == self.segments.len() {
+            self.segments
+                .push(Vec::with_capacity(1 << (s as u32 + FIRST_SEGMENT_LOG2)));
+        }
+        self.segments[s].push(value);
+        self.len += 1;
+        self.len - 1
+    }
+
+    /// Number of slots, free ones included.
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &Option<T>> + '_ {
+        self.segments.iter().flatten()
+    }
+
+    /// Drops the free slots: the live ones, in order, make a new slab.
+    fn retain_live(&mut self) {
+        let mut live = Segments::default();
+        for value in std::mem::take(&mut self.segments).into_iter().flatten() {
+            if value.is_some() {
+                live.push(value);
+            }
+        }
+        *self = live;
+    }
+}
+
 /// The table's 64-bit hash of an entry, from the 32 bits it keeps: spread
 /// by an odd multiplier, so the low bits (the bucket) and the top seven
 /// (hashbrown's tag) both vary.
@@ -44,7 +123,7 @@ fn table_hash(h32: u32) -> u64 {
 pub(crate) struct Records {
     hasher: RandomState,
     table: HashTable<Entry>,
-    slab: Vec<Option<Record>>,
+    slab: Segments<Record>,
     free: Vec<u32>,
 }
 
@@ -63,7 +142,7 @@ impl Records {
         let slab = &self.slab;
         self.table
             .find(table_hash(h32), |&(i, h)| {
-                h == h32 && matches!(&slab[i as usize], Some(r) if r.res.id == id)
+                h == h32 && matches!(slab.get(i as usize), Some(r) if r.res.id == id)
             })
             .map(|&(i, _)| i)
     }
@@ -89,7 +168,8 @@ impl Records {
     /// The record at a slab index found in this operation.
     #[inline]
     pub(crate) fn at(&self, i: u32) -> &Record {
-        self.slab[i as usize]
+        self.slab
+            .get(i as usize)
             .as_ref()
             .expect("a slab index found in this operation")
     }
@@ -97,7 +177,8 @@ impl Records {
     /// [`Records::at`], to change it.
     #[inline]
     pub(crate) fn at_mut(&mut self, i: u32) -> &mut Record {
-        self.slab[i as usize]
+        self.slab
+            .get_mut(i as usize)
             .as_mut()
             .expect("a slab index found in this operation")
     }
@@ -109,15 +190,15 @@ impl Records {
         let h32 = self.h32(id);
         let i = match self.free.pop() {
             Some(i) => {
-                self.slab[i as usize] = Some(make());
+                *self.slab.get_mut(i as usize) = Some(make());
                 i
             }
-            None => {
-                self.slab.push(Some(make()));
-                (self.slab.len() - 1) as u32
-            }
+            None => self.slab.push(Some(make())) as u32,
         };
-        debug_assert_eq!(self.slab[i as usize].as_ref().map(|r| r.res.id), Some(id));
+        debug_assert_eq!(
+            self.slab.get(i as usize).as_ref().map(|r| r.res.id),
+            Some(id)
+        );
         self.table
             .insert_unique(table_hash(h32), (i, h32), |&(_, h)| table_hash(h));
         i
@@ -137,12 +218,12 @@ impl Records {
             table, slab, free, ..
         } = self;
         let Ok(entry) = table.find_entry(table_hash(h32), |&(i, h)| {
-            h == h32 && matches!(&slab[i as usize], Some(r) if r.res.id == id)
+            h == h32 && matches!(slab.get(i as usize), Some(r) if r.res.id == id)
         }) else {
             return;
         };
         let i = entry.get().0;
-        let Some(rec) = slab[i as usize].as_ref() else {
+        let Some(rec) = slab.get(i as usize).as_ref() else {
             return;
         };
         if keep(rec) {
@@ -150,7 +231,7 @@ impl Records {
         }
         on_remove(rec);
         entry.remove();
-        slab[i as usize] = None;
+        *slab.get_mut(i as usize) = None;
         free.push(i);
         self.compact_if_sparse();
     }
@@ -174,14 +255,17 @@ impl Records {
         if self.slab.len() <= COMPACT_MIN_SLOTS || live * 4 >= self.slab.len() {
             return;
         }
-        self.slab.retain(Option::is_some);
-        self.slab.shrink_to(live * 2);
+        self.slab.retain_live();
         self.free.clear();
         self.free.shrink_to(live);
         self.table.clear();
         self.table.shrink_to(live, |&(_, h)| table_hash(h));
         for i in 0..self.slab.len() {
-            let id = self.slab[i].as_ref().map_or(ReservationId(0), |r| r.res.id);
+            let id = self
+                .slab
+                .get(i)
+                .as_ref()
+                .map_or(ReservationId(0), |r| r.res.id);
             let h32 = self.h32(id);
             self.table
                 .insert_unique(table_hash(h32), (i as u32, h32), |&(_, h)| table_hash(h));
@@ -220,6 +304,29 @@ mod tests {
             multi_shard: false,
             drop_at: 0,
         }
+    }
+
+    /// Slot indices walk the segments in order: each segment filled from
+    /// its start to its length (64, 128, …) before the next begins.
+    #[test]
+    fn slots_fill_segments_in_order() {
+        let mut expected = (0, 0);
+        for i in 0..100_000 {
+            assert_eq!(Segments::<()>::locate(i), expected, "slot {i}");
+            expected.1 += 1;
+            if expected.1 == 1 << (expected.0 as u32 + FIRST_SEGMENT_LOG2) {
+                expected = (expected.0 + 1, 0);
+            }
+        }
+        let mut seg = Segments::default();
+        for i in 0..1000 {
+            assert_eq!(seg.push(Some(i)), i);
+        }
+        assert!((0..1000).all(|i| *seg.get(i) == Some(i)));
+        assert_eq!(
+            seg.segments.iter().map(Vec::capacity).collect::<Vec<_>>(),
+            [64, 128, 256, 512, 1024]
+        );
     }
 
     /// Ids are found after inserts, removals that reuse slots, and the
