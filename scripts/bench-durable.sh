@@ -18,8 +18,11 @@ CONCURRENCY=${CONCURRENCY:-64}
 SCENARIO=${SCENARIO:-pairs}
 BASE_PORT=${BASE_PORT:-18890}
 
-cargo build --release -p allowance-cli >&2
-BIN=target/release/allowance
+# BIN=path/to/allowance measures that build instead (e.g. another worktree's).
+if [ -z "${BIN:-}" ]; then
+  cargo build --release -p allowance-cli >&2
+  BIN=target/release/allowance
+fi
 out=$(mktemp -d)
 data=$(mktemp -d "${DATA_ROOT:-${TMPDIR:-/tmp}}/allowance-bench.XXXXXX")
 pids=()

@@ -33,7 +33,9 @@ mod usage;
 pub mod wire;
 
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use allowance_core::{Clock, Store};
@@ -174,10 +176,44 @@ impl AppState {
     }
 
     /// Runs a store call under the store timeout: past it, 503.
-    pub(crate) async fn call<T>(&self, f: impl Future<Output = T>) -> Result<T, ApiError> {
-        tokio::time::timeout(self.inner.options.store_timeout, f)
-            .await
-            .map_err(|_| ApiError::unavailable("the store did not answer in time"))
+    pub(crate) fn call<F: Future + Unpin>(&self, f: F) -> StoreCall<F> {
+        StoreCall {
+            inner: f,
+            timeout: self.inner.options.store_timeout,
+            sleep: None,
+        }
+    }
+}
+
+/// A store call under the store timeout ([`AppState::call`]). The timer is
+/// armed only if the call does not answer on its first poll: the embedded
+/// store always answers at once, so its calls never touch the timer wheel
+/// (nor read the clock). A call that waits (Redis, a group commit) gets its
+/// whole timeout from that first poll, which has sent the request.
+pub(crate) struct StoreCall<F> {
+    inner: F,
+    timeout: Duration,
+    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<F: Future + Unpin> Future for StoreCall<F> {
+    type Output = Result<F::Output, ApiError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        if let Poll::Ready(v) = Pin::new(&mut this.inner).poll(cx) {
+            return Poll::Ready(Ok(v));
+        }
+        let timeout = this.timeout;
+        let sleep = this
+            .sleep
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        match sleep.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(ApiError::unavailable(
+                "the store did not answer in time",
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
     }
 }
 

@@ -49,17 +49,24 @@ pub(crate) fn outcome_of(e: &ApiError) -> &'static str {
 }
 
 /// Times a handler body and counts its outcome.
-pub(crate) async fn measured<F>(op: &'static str, f: F) -> Response
+///
+/// A combinator, not an `async fn`: an `async fn` would keep its argument
+/// and the future it awaits as two copies of the handler's whole state, and
+/// every request would copy both (the data-plane handlers return this
+/// future directly for the same reason).
+pub(crate) fn measured<F>(op: &'static str, f: F) -> impl Future<Output = Response>
 where
     F: Future<Output = Result<(&'static str, Response), ApiError>>,
 {
     let started = Instant::now();
-    let (outcome, response) = match f.await {
-        Ok(r) => r,
-        Err(e) => (outcome_of(&e), e.into_response()),
-    };
-    metrics::operation(op, outcome, started.elapsed());
-    response
+    futures_util::FutureExt::map(f, move |result| {
+        let (outcome, response) = match result {
+            Ok(r) => r,
+            Err(e) => (outcome_of(&e), e.into_response()),
+        };
+        metrics::operation(op, outcome, started.elapsed());
+        response
+    })
 }
 
 /// The answer of get, settle, refund and extend: the reservation object.
@@ -140,12 +147,12 @@ fn reserve_request(
         (status = 429, description = "Rate limited: retry after", body = ErrorBody),
         (status = 503, description = "Store unavailable: outcome unknown", body = ErrorBody)),
     security(("bearer" = [])))]
-pub(crate) async fn reserve(
+pub(crate) fn reserve(
     State(state): State<AppState>,
     Caller(who): Caller,
     body: Result<JsonBody<ReserveBody>, ApiError>,
-) -> Response {
-    measured("reserve", async {
+) -> impl Future<Output = Response> {
+    measured("reserve", async move {
         let who = who?;
         let JsonBody(body) = body?;
         if !who.may_use(&body.tenant) {
@@ -198,7 +205,6 @@ pub(crate) async fn reserve(
         );
         Ok((outcome, answer))
     })
-    .await
 }
 
 /// A reservation, expiry observed.
@@ -209,12 +215,12 @@ pub(crate) async fn reserve(
         (status = 404, body = ErrorBody),
         (status = 503, body = ErrorBody)),
     security(("bearer" = [])))]
-pub(crate) async fn get_reservation(
+pub(crate) fn get_reservation(
     State(state): State<AppState>,
     Caller(who): Caller,
     Path(id): Path<String>,
-) -> Response {
-    measured("get", async {
+) -> impl Future<Output = Response> {
+    measured("get", async move {
         let who = who?;
         let id = parse_id(&id)?;
         let Some(r) = visible(&state, &who, id).await? else {
@@ -224,7 +230,6 @@ pub(crate) async fn get_reservation(
         state.queue().kick();
         Ok(("ok", reservation_answer(&r, &catalog)))
     })
-    .await
 }
 
 fn usage_of(body: SettleBody, catalog: &Catalog) -> Result<Usage, ApiError> {
@@ -258,13 +263,13 @@ fn usage_of(body: SettleBody, catalog: &Catalog) -> Result<Usage, ApiError> {
         (status = 409, description = "The reservation was refunded", body = ErrorBody),
         (status = 503, body = ErrorBody)),
     security(("bearer" = [])))]
-pub(crate) async fn settle(
+pub(crate) fn settle(
     State(state): State<AppState>,
     Caller(who): Caller,
     Path(id): Path<String>,
     body: Result<JsonBody<SettleBody>, ApiError>,
-) -> Response {
-    measured("settle", async {
+) -> impl Future<Output = Response> {
+    measured("settle", async move {
         let who = who?;
         let JsonBody(body) = body?;
         let id = parse_id(&id)?;
@@ -278,7 +283,6 @@ pub(crate) async fn settle(
         state.queue().kick();
         Ok(("ok", reservation_answer(&r, &catalog)))
     })
-    .await
 }
 
 /// Refund: release the hold, record nothing; idempotent.
@@ -290,13 +294,13 @@ pub(crate) async fn settle(
         (status = 409, description = "The reservation was settled", body = ErrorBody),
         (status = 503, body = ErrorBody)),
     security(("bearer" = [])))]
-pub(crate) async fn refund(
+pub(crate) fn refund(
     State(state): State<AppState>,
     Caller(who): Caller,
     Path(id): Path<String>,
     body: Result<OptionalJsonBody<RefundBody>, ApiError>,
-) -> Response {
-    measured("refund", async {
+) -> impl Future<Output = Response> {
+    measured("refund", async move {
         let who = who?;
         let OptionalJsonBody(RefundBody {}) = body?;
         let id = parse_id(&id)?;
@@ -309,7 +313,6 @@ pub(crate) async fn refund(
         state.queue().kick();
         Ok(("ok", reservation_answer(&r, &catalog)))
     })
-    .await
 }
 
 /// Extend: raise the hold and/or push the expiry out.
@@ -325,13 +328,13 @@ pub(crate) async fn refund(
         (status = 429, body = ErrorBody),
         (status = 503, body = ErrorBody)),
     security(("bearer" = [])))]
-pub(crate) async fn extend(
+pub(crate) fn extend(
     State(state): State<AppState>,
     Caller(who): Caller,
     Path(id): Path<String>,
     body: Result<JsonBody<ExtendBody>, ApiError>,
-) -> Response {
-    measured("extend", async {
+) -> impl Future<Output = Response> {
+    measured("extend", async move {
         let who = who?;
         let JsonBody(body) = body?;
         if body.amounts.is_none() && body.ttl_ms.is_none() {
@@ -366,7 +369,6 @@ pub(crate) async fn extend(
         state.queue().kick();
         Ok(("ok", reservation_answer(&r, &catalog)))
     })
-    .await
 }
 
 /// Parses a scope from a path (raw or percent-encoded: axum decodes it),
@@ -490,6 +492,26 @@ pub(crate) async fn admit(
         }
         other => return Ok(other),
     };
+    // Boxed: only a waiting request pays for the queue's state, and every
+    // other reserve's future stays small (it is moved as a whole).
+    Box::pin(wait_for_room(
+        state, catalog, req, wait_ms, priority, fair_for, denial,
+    ))
+    .await
+}
+
+/// [`admit`]'s wait in the queue, for a reserve refused as rate limited
+/// (`denial`) that may wait `wait_ms`.
+async fn wait_for_room(
+    state: &AppState,
+    catalog: &Catalog,
+    req: &ReserveRequest,
+    wait_ms: u64,
+    priority: i32,
+    fair_for: Option<&str>,
+    denial: Box<allowance_core::Denial>,
+) -> Result<Result<Granted, StoreError<ReserveError>>, ApiError> {
+    let queue = state.queue().clone();
     let (fair_tenant, weight) = match fair_for.map(ScopeKey::tenant) {
         Some(Ok(t)) => (
             Some(Arc::from(t.tenant_name().unwrap_or_default())),
@@ -576,6 +598,86 @@ impl Drop for Leave {
                     let _ = state.call(state.store().refund(granted.id)).await;
                 });
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use allowance_core::{EmbeddedStore, ManualClock, SeededIds, Timestamp};
+
+    /// Every request moves its handler's future whole (into axum's box and
+    /// through the layers), so a data-plane handler's future must stay
+    /// small: an `async fn` wrapper or a rare path's state inline (the
+    /// queue's wait, a replay's read) once made the reserve's 2.7 KiB.
+    #[tokio::test]
+    async fn data_plane_handler_futures_stay_small() {
+        let clock = Arc::new(ManualClock::new(Timestamp::from_millis(1_700_000_000_000)));
+        let store = Arc::new(EmbeddedStore::new(
+            allowance_config::starter().catalog.clone(),
+            4,
+            clock.clone(),
+            Arc::new(SeededIds::new(7)),
+        ));
+        let state = AppState::with_clock(
+            store,
+            crate::Credentials::default(),
+            crate::Options::default(),
+            clock,
+        );
+        let admin = || Caller(Ok(Principal::Admin));
+        let id = || Path(String::from("rsv_00000000000000000000000000000001"));
+        let body: ReserveBody =
+            serde_json::from_str(r#"{"tenant": "a", "amounts": {"tokens": 1}}"#).unwrap();
+        let sizes = [
+            (
+                "reserve",
+                size_of_val(&reserve(State(state.clone()), admin(), Ok(JsonBody(body)))),
+                1024,
+            ),
+            (
+                "get",
+                size_of_val(&get_reservation(State(state.clone()), admin(), id())),
+                512,
+            ),
+            (
+                "settle",
+                size_of_val(&settle(
+                    State(state.clone()),
+                    admin(),
+                    id(),
+                    Ok(JsonBody(serde_json::from_str(r#"{"usage": {}}"#).unwrap())),
+                )),
+                512,
+            ),
+            (
+                "refund",
+                size_of_val(&refund(
+                    State(state.clone()),
+                    admin(),
+                    id(),
+                    Ok(OptionalJsonBody(RefundBody {})),
+                )),
+                512,
+            ),
+            (
+                "extend",
+                size_of_val(&extend(
+                    State(state.clone()),
+                    admin(),
+                    id(),
+                    Ok(JsonBody(serde_json::from_str(r#"{"ttl_ms": 5}"#).unwrap())),
+                )),
+                512,
+            ),
+        ];
+        for (name, size, most) in sizes {
+            eprintln!("{name}: {size} bytes");
+            assert!(
+                size <= most,
+                "the {name} handler's future is {size} bytes (at most {most})"
+            );
         }
     }
 }

@@ -969,7 +969,7 @@ async fn end_with_retries<T, E: std::fmt::Display, F>(
     op: impl Fn() -> F,
 ) -> Result<T, Option<String>>
 where
-    F: std::future::Future<Output = Result<T, StoreError<E>>>,
+    F: std::future::Future<Output = Result<T, StoreError<E>>> + Unpin,
 {
     for delay_ms in [0u64, 50, 500, 2000] {
         pause(delay_ms).await;
