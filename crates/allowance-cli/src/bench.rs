@@ -162,10 +162,7 @@ async fn start_embedded() -> anyhow::Result<SocketAddr> {
 /// `allowance bench-noop`: the ceiling as its own process, so client and
 /// server are two processes for the ceiling as for the real server.
 pub fn noop(listen: SocketAddr) -> ExitCode {
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match crate::server_runtime() {
         Ok(r) => r,
         Err(e) => {
             crate::err(&format!("error: {e}\n"));

@@ -150,3 +150,11 @@ fn check_config(file: &std::path::Path) -> ExitCode {
         }
     }
 }
+
+/// The multi-threaded runtime every HTTP server of this binary runs on
+/// (`serve` and the no-op ceiling alike, so they compare fairly).
+pub(crate) fn server_runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+}

@@ -105,10 +105,7 @@ pub fn run(args: ServeArgs) -> ExitCode {
         }
     };
     no_huge_pages();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match crate::server_runtime() {
         Ok(r) => r,
         Err(e) => {
             crate::err(&format!("error: cannot start the runtime: {e}\n"));

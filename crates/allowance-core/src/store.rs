@@ -318,15 +318,21 @@ impl Journal for UsageJournal<'_> {
         if usage.is_empty() {
             return;
         }
+        // The oldest records leave the ring after the lock is released:
+        // freeing them is most of the work, and every settle of every
+        // shard takes this lock.
+        let mut evicted: smallvec::SmallVec<[UsageRecord; 2]> = smallvec::SmallVec::new();
         let mut log = self.0.lock();
         for event in usage {
             log.next_cursor += 1;
             let cursor = log.next_cursor;
             if log.records.len() == MEMORY_USAGE_RECORDS {
-                log.records.pop_front();
+                evicted.extend(log.records.pop_front());
             }
             log.records.push_back(UsageRecord { cursor, event });
         }
+        drop(log);
+        drop(evicted);
     }
 }
 

@@ -31,6 +31,7 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use allowance_core::{
@@ -108,6 +109,10 @@ pub(crate) struct QueueFull(pub(crate) Box<Denial>);
 /// The queue and its dispatcher's wake-up.
 pub struct AdmissionQueue {
     state: parking_lot::Mutex<State>,
+    /// `state.waiters.len()`, written under the lock: every reserve and
+    /// settle asks whether anyone waits, and the answer is almost always
+    /// no, so they read this instead of taking the queue's one lock.
+    waiting: AtomicUsize,
     kick: Notify,
     limits: QueueLimits,
     started: std::sync::OnceLock<()>,
@@ -135,6 +140,7 @@ impl AdmissionQueue {
     pub fn new(limits: QueueLimits, shared: bool) -> Self {
         AdmissionQueue {
             state: parking_lot::Mutex::new(State::default()),
+            waiting: AtomicUsize::new(0),
             kick: Notify::new(),
             limits,
             started: std::sync::OnceLock::new(),
@@ -148,8 +154,11 @@ impl AdmissionQueue {
     }
 
     /// Tells the dispatcher room may have freed (a settle, refund, expiry).
+    ///
+    /// A waiter queued concurrently with a kick that saw none is not
+    /// missed: whoever queues a waiter kicks after queueing it.
     pub fn kick(&self) {
-        if !self.state.lock().waiters.is_empty() {
+        if self.waiting.load(Ordering::SeqCst) > 0 {
             self.kick.notify_one();
         }
     }
@@ -157,6 +166,9 @@ impl AdmissionQueue {
     /// The denial of a waiter blocked on one of `scopes`, if any: an
     /// immediate reserve on them would take room that waiter could use.
     pub(crate) fn blocking(&self, req: &ReserveRequest) -> Option<Box<Denial>> {
+        if self.waiting.load(Ordering::SeqCst) == 0 {
+            return None;
+        }
         let st = self.state.lock();
         if st.blocked.by_scope.is_empty() {
             return None;
@@ -216,6 +228,7 @@ impl AdmissionQueue {
                 tx: Some(tx),
             },
         );
+        self.waiting.store(st.waiters.len(), Ordering::SeqCst);
         metrics::gauge!("allowance_queue_depth").set(st.waiters.len() as f64);
         Ok(Ticket(seq))
     }
@@ -225,7 +238,7 @@ impl AdmissionQueue {
     pub(crate) fn remove(&self, ticket: Ticket) -> Option<Box<Denial>> {
         let (w, others) = {
             let mut st = self.state.lock();
-            let w = take(&mut st, ticket)?;
+            let w = take(&mut st, &self.waiting, ticket)?;
             (w, !st.waiters.is_empty())
         };
         if others {
@@ -426,7 +439,7 @@ impl AdmissionQueue {
                 t.vtime += VTIME_UNIT / u128::from(t.weight);
                 st.vclock = st.vclock.max(start);
             }
-            take(&mut st, ticket).and_then(|mut w| w.tx.take())
+            take(&mut st, &self.waiting, ticket).and_then(|mut w| w.tx.take())
         };
         metrics::counter!("allowance_queue_admissions_total").increment(1);
         let id = granted.id;
@@ -464,7 +477,7 @@ impl AdmissionQueue {
     fn finish(&self, ticket: Ticket, outcome: Outcome) {
         let tx = {
             let mut st = self.state.lock();
-            take(&mut st, ticket).and_then(|mut w| w.tx.take())
+            take(&mut st, &self.waiting, ticket).and_then(|mut w| w.tx.take())
         };
         if let Some(tx) = tx {
             let _ = tx.send(outcome);
@@ -515,7 +528,7 @@ impl Blocked {
     }
 }
 
-fn take(st: &mut State, ticket: Ticket) -> Option<Waiter> {
+fn take(st: &mut State, waiting: &AtomicUsize, ticket: Ticket) -> Option<Waiter> {
     let w = st.waiters.remove(&ticket.0)?;
     st.blocked.remove(&w.denial.scope, w.seq);
     if let Some(t) = st.tenants.get_mut(&w.tenant) {
@@ -525,6 +538,7 @@ fn take(st: &mut State, ticket: Ticket) -> Option<Waiter> {
             st.tenants.remove(&w.tenant);
         }
     }
+    waiting.store(st.waiters.len(), Ordering::SeqCst);
     metrics::gauge!("allowance_queue_depth").set(st.waiters.len() as f64);
     Some(w)
 }
