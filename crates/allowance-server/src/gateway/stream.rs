@@ -108,6 +108,9 @@ async fn pump(
     let ttl_ms = p.catalog.settings().default_ttl_ms;
     let mut end = End::Complete;
     let mut saw_done = false;
+    // The bound's holds, refunded off the stream's path once swapped:
+    // waited for before the call settles.
+    let mut refunds: Option<tokio::task::JoinHandle<()>> = None;
     'read: loop {
         let next = tokio::select! {
             n = tokio::time::timeout(UPSTREAM_TIMEOUT, upstream.next()) => n,
@@ -116,7 +119,7 @@ async fn pump(
             c = OptionFuture::from(counting.as_mut()), if counting.is_some() => {
                 counting = None;
                 if let Some(Some(n)) = c.map(exact_count)
-                    && tighten(&state, &mut p, n, &mut tenant_id, &mut attempt_id, held_output).await
+                    && tighten(&state, &mut p, n, &mut tenant_id, &mut attempt_id, held_output, &mut refunds).await
                 {
                     lease = Lease::start(&state, &p, tenant_id).and(&state, &p, attempt_id);
                 }
@@ -284,6 +287,9 @@ async fn pump(
             u
         }
     };
+    if let Some(r) = refunds {
+        let _ = r.await;
+    }
     tokio::join!(
         settle_attempt(&state, attempt_id, Some(&final_usage)),
         settle(&state, &p, tenant_id, &final_usage)
@@ -308,6 +314,10 @@ async fn pump(
 /// output held so far), then a refund of the old one. A swap the ledger
 /// refuses (no room for both at once) keeps the bound's hold, which is
 /// larger: the call goes on. Returns whether anything was swapped.
+///
+/// The refunds run as their own task (`refunds`): the stream goes on as
+/// soon as the exact holds are taken, instead of waiting for the old ones'
+/// release to be durable too.
 async fn tighten(
     state: &AppState,
     p: &mut Prepared,
@@ -315,6 +325,7 @@ async fn tighten(
     tenant_id: &mut ReservationId,
     attempt_id: &mut Option<ReservationId>,
     held_output: u64,
+    refunds: &mut Option<tokio::task::JoinHandle<()>>,
 ) -> bool {
     let bound = p.estimate.input_tokens;
     p.set_input_tokens(input_tokens);
@@ -342,7 +353,12 @@ async fn tighten(
         old.push(std::mem::replace(id, g.id));
     }
     let swapped = !old.is_empty();
-    futures_util::future::join_all(old.into_iter().map(|id| refund(state, id))).await;
+    if swapped {
+        let state = state.clone();
+        *refunds = Some(tokio::spawn(async move {
+            futures_util::future::join_all(old.into_iter().map(|id| refund(&state, id))).await;
+        }));
+    }
     swapped
 }
 
