@@ -2316,7 +2316,8 @@ fn ended_reservations_are_forgotten_after_retention() {
 /// Expiry is observed by every read (`get` answers Expired without
 /// `expire_due`, a status shows the hold gone); `expire_due` processes what
 /// is due; once everything ended and the windows emptied, `scope_count`
-/// drops to 0 after `expire_due`, and `reservation_count` after retention.
+/// drops to 0 after `expire_due` (a scope first seen idle is looked at 5 s
+/// later, `IDLE_SCOPE_GRACE_MS`), and `reservation_count` after retention.
 #[test]
 fn expiry_is_observed_lazily_and_memory_is_bounded() {
     let settings = Settings {
@@ -2335,8 +2336,9 @@ fn expiry_is_observed_lazily_and_memory_is_bounded() {
             get("r1").status(Status::Held),
             at(3_000),
             get("r1").status(Status::Expired),
-            // Nothing was used: both scopes are dropped at once.
-            counts(0, 1, 0),
+            // Nothing was used, but both scopes were first seen idle at
+            // 1 000 (nothing held yet): they are looked at from 6 000.
+            counts(2, 1, 0),
             reserve("r2", "t", &[], &[("tokens", 10)]).ttl(1_000),
             at(4_000),
             expect(T, "tokens").holding(0),
@@ -2363,6 +2365,43 @@ fn expiry_is_observed_lazily_and_memory_is_bounded() {
             at(14_000),
             expire_due(2),
             counts(0, 0, 0),
+        ],
+    );
+}
+
+/// An idle scope is kept for the grace (5 s from when it was first seen
+/// holding nothing) and then dropped if its windows are empty, even if it
+/// was used in between: a scope used on and off is dropped and built again
+/// at most once per grace, not after every reservation that ends.
+#[test]
+fn idle_scopes_are_dropped_after_a_grace() {
+    check(
+        setup().kind("tenant", vec![concurrent(2)]),
+        vec![
+            at(1_000),
+            reserve("r1", "t", &[], &[]),
+            settle("r1", &[]),
+            expire_due(0),
+            scope_count(1),
+            at(5_999),
+            reserve("r2", "t", &[], &[]),
+            refund("r2"),
+            expire_due(0),
+            scope_count(1),
+            at(6_000),
+            expire_due(0),
+            scope_count(0),
+            // Built again on its next use.
+            reserve("r3", "t", &[], &[]),
+            expect(T, "concurrent").holding(1),
+            scope_count(1),
+            refund("r3"),
+            at(10_999),
+            expire_due(0),
+            scope_count(1),
+            at(11_000),
+            expire_due(0),
+            scope_count(0),
         ],
     );
 }
