@@ -640,6 +640,22 @@ fn set_holder_pos(holds: &mut [Option<Hold>]) -> impl FnMut(u32, u8, u32) + '_ {
     }
 }
 
+/// Queues the scope in `slot` for the idle-scope collector, due
+/// [`IDLE_SCOPE_GRACE_MS`] from `now_ms`, if it holds nothing and is not
+/// queued already (only its own entry ever drops it).
+#[inline]
+fn queue_if_idle(
+    gc: &mut BinaryHeap<Reverse<(u64, u32)>>,
+    st: &mut ScopeState,
+    slot: u32,
+    now_ms: u64,
+) {
+    if st.held_count == 0 && !st.gc_queued {
+        st.gc_queued = true;
+        gc.push(Reverse((now_ms.saturating_add(IDLE_SCOPE_GRACE_MS), slot)));
+    }
+}
+
 #[inline]
 fn live(scopes: &mut [Option<ScopeState>], slot: u32) -> &mut ScopeState {
     scopes[slot as usize]
@@ -679,10 +695,7 @@ impl ShardState {
         let st = live(scopes, slot);
         st.sync(catalog);
         st.advance(now_ms);
-        if !st.gc_queued && st.held_count == 0 {
-            st.gc_queued = true;
-            gc.push(Reverse((now_ms.saturating_add(IDLE_SCOPE_GRACE_MS), slot)));
-        }
+        queue_if_idle(gc, st, slot, now_ms);
         slot
     }
 
@@ -791,10 +804,7 @@ impl ShardState {
         let st = live(scopes, slot);
         st.sync(catalog);
         let fits = st.advance_and_fit(now_ms, requested, only_positive);
-        if !st.gc_queued && st.held_count == 0 {
-            st.gc_queued = true;
-            gc.push(Reverse((now_ms.saturating_add(IDLE_SCOPE_GRACE_MS), slot)));
-        }
+        queue_if_idle(gc, st, slot, now_ms);
         (slot, fits)
     }
 
@@ -911,13 +921,7 @@ impl ShardState {
                 extra.held.sub(&hold.amounts);
                 extra.holders.remove(hs.pos, &mut set_holder_pos(holds));
             }
-            if st.held_count == 0 && !st.gc_queued {
-                st.gc_queued = true;
-                gc.push(Reverse((
-                    now_ms.saturating_add(IDLE_SCOPE_GRACE_MS),
-                    hs.slot,
-                )));
-            }
+            queue_if_idle(gc, st, hs.slot, now_ms);
         }
         free_slots.push(slot);
         (hold.owner, hold.foreign, hold.expires_ms)

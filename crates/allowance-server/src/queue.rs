@@ -150,7 +150,7 @@ impl AdmissionQueue {
 
     /// Waiters now.
     pub fn depth(&self) -> usize {
-        self.state.lock().waiters.len()
+        self.waiting.load(Ordering::SeqCst)
     }
 
     /// Tells the dispatcher room may have freed (a settle, refund, expiry).
