@@ -564,7 +564,10 @@ fn replay_pipelined(
 ) -> Result<(u64, Replayer), OpenError> {
     type Batch = Vec<(Lsn, Record)>;
     let (tx, rx) = std::sync::mpsc::sync_channel::<Batch>(REPLAY_BATCHES_IN_FLIGHT);
-    // Never full: at most the batches in flight come back.
+    // Room for every batch vector there can be (those in flight, the one
+    // being filled, the one being applied), so handing one back never
+    // waits; were it ever full, the batch would drop on the applier:
+    // slower, not wrong.
     let (back_tx, back_rx) = std::sync::mpsc::sync_channel::<Batch>(REPLAY_BATCHES_IN_FLIGHT + 2);
     std::thread::scope(|scope| {
         let applier = scope.spawn(move || {

@@ -806,3 +806,57 @@ fn an_undecodable_record_stops_start_up_with_its_lsn() {
         }
     });
 }
+
+/// A record the applying thread refuses (a log whose first record is not
+/// its configuration) stops start-up naming the lsn, however many records
+/// the reading thread has decoded ahead of it: the reader stops feeding a
+/// stopped applier, and the batches it hands back never block either side.
+#[test]
+fn a_record_the_applier_refuses_stops_start_up_with_its_lsn() {
+    let rt = runtime();
+    rt.block_on(async {
+        let source = tempfile::tempdir().expect("temp dir");
+        let clock = Arc::new(ManualClock::new(Timestamp::from_millis(START_MS)));
+        let ids = Arc::new(SeededIds::new(6));
+        let fs: Arc<dyn FileSystem> = Arc::new(RealFs);
+        let (store, _) = open_store(source.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
+            .await
+            .expect("open");
+        let catalog = catalogs::standard();
+        for i in 0..3000 {
+            let req = tenant_only(&catalog, i, 1);
+            let id = store.reserve(&req).await.expect("reserve");
+            store.refund(id.id).await.expect("refund");
+        }
+        store.close().await.expect("close");
+        // The same records without the first (the configuration).
+        let (wal, _) =
+            allowance_wal::Wal::open(allowance_wal::WalOptions::new(source.path()), fs.clone())
+                .expect("open the log");
+        let mut payloads = Vec::new();
+        wal.replay(1, |_, payload| {
+            payloads.push(payload.to_vec());
+            Ok(())
+        })
+        .expect("read the log");
+        wal.close().expect("close the log");
+        assert!(payloads.len() >= 6000, "{} records", payloads.len());
+
+        let headless = tempfile::tempdir().expect("temp dir");
+        let (wal, _) =
+            allowance_wal::Wal::open(allowance_wal::WalOptions::new(headless.path()), fs.clone())
+                .expect("open the new log");
+        for payload in &payloads {
+            wal.append(payload).expect("append");
+        }
+        wal.close().expect("close the new log");
+        let err = open_store(headless.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
+            .await
+            .expect_err("a log without its configuration stops start-up");
+        let message = err.to_string();
+        assert!(
+            message.contains("lsn 1:") && message.contains("configuration"),
+            "{message}"
+        );
+    });
+}
