@@ -169,6 +169,27 @@ async fn open_store(
     .await
 }
 
+/// Leaves in `dir` a closed store's log: its configuration, then `pairs`
+/// reserve + refund pairs of tenant-only requests.
+async fn write_pairs(
+    dir: &Path,
+    fs: &Arc<dyn FileSystem>,
+    clock: &Arc<ManualClock>,
+    ids: &Arc<SeededIds>,
+    pairs: u64,
+) {
+    let (store, _) = open_store(dir, fs.clone(), 4, u64::MAX, clock, ids)
+        .await
+        .expect("open");
+    let catalog = catalogs::standard();
+    for i in 0..pairs {
+        let req = tenant_only(&catalog, i, 1);
+        let id = store.reserve(&req).await.expect("reserve").id;
+        store.refund(id).await.expect("refund");
+    }
+    store.close().await.expect("close");
+}
+
 /// [`open_store`], waiting (up to 20 s) while the dir is still held: by a
 /// store being replaced, or by a snapshot finishing in the background after
 /// a store was dropped as a crash would drop it.
@@ -778,16 +799,7 @@ fn an_undecodable_record_stops_start_up_with_its_lsn() {
             let clock = Arc::new(ManualClock::new(Timestamp::from_millis(START_MS)));
             let ids = Arc::new(SeededIds::new(5));
             let fs: Arc<dyn FileSystem> = Arc::new(RealFs);
-            let (store, _) = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
-                .await
-                .expect("open");
-            let catalog = catalogs::standard();
-            for i in 0..garbage_after {
-                let req = tenant_only(&catalog, i, 1);
-                let id = store.reserve(&req).await.expect("reserve").id;
-                store.refund(id).await.expect("refund");
-            }
-            store.close().await.expect("close");
+            write_pairs(dir.path(), &fs, &clock, &ids, garbage_after).await;
             // A well-framed record (valid checksum) of nonsense.
             let (wal, recovered) =
                 allowance_wal::Wal::open(allowance_wal::WalOptions::new(dir.path()), fs.clone())
@@ -819,16 +831,7 @@ fn a_record_the_applier_refuses_stops_start_up_with_its_lsn() {
         let clock = Arc::new(ManualClock::new(Timestamp::from_millis(START_MS)));
         let ids = Arc::new(SeededIds::new(6));
         let fs: Arc<dyn FileSystem> = Arc::new(RealFs);
-        let (store, _) = open_store(source.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
-            .await
-            .expect("open");
-        let catalog = catalogs::standard();
-        for i in 0..3000 {
-            let req = tenant_only(&catalog, i, 1);
-            let id = store.reserve(&req).await.expect("reserve");
-            store.refund(id.id).await.expect("refund");
-        }
-        store.close().await.expect("close");
+        write_pairs(source.path(), &fs, &clock, &ids, 3000).await;
         // The same records without the first (the configuration).
         let (wal, _) =
             allowance_wal::Wal::open(allowance_wal::WalOptions::new(source.path()), fs.clone())
