@@ -22,6 +22,10 @@ pub(crate) const FORMAT_VERSION: u16 = 1;
 pub(crate) const SEGMENT_HEADER_BYTES: u64 = 8;
 /// Bytes of a record's header (len, crc, lsn).
 pub(crate) const RECORD_HEADER_BYTES: usize = 16;
+/// Where a record's crc32c sits, from the record's start.
+const CRC_OFFSET: usize = 4;
+/// Where a record's lsn sits: the checksum covers from here to the end.
+const LSN_OFFSET: usize = 8;
 /// Bytes of a snapshot file's header.
 pub(crate) const SNAPSHOT_HEADER_BYTES: usize = 28;
 
@@ -77,8 +81,8 @@ pub(crate) fn encode_record(out: &mut Vec<u8>, lsn: Lsn, payload: &[u8]) {
     out.extend_from_slice(&[0; 4]);
     out.extend_from_slice(&lsn.to_le_bytes());
     out.extend_from_slice(payload);
-    let crc = record_crc(&out[start + 8..]);
-    out[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
+    let crc = record_crc(&out[start + LSN_OFFSET..]);
+    out[start + CRC_OFFSET..start + LSN_OFFSET].copy_from_slice(&crc.to_le_bytes());
 }
 
 /// Why the bytes at some offset are not a valid record.
@@ -164,12 +168,12 @@ pub(crate) fn parse_record(data: &[u8], at: usize) -> Result<Record<'_>, BadReco
     if len > MAX_RECORD_BYTES as u64 {
         return Err(BadRecord::TooLarge { len });
     }
-    let stored = u32_at(data, at + 4);
-    let lsn = u64_at(data, at + 8);
+    let stored = u32_at(data, at + CRC_OFFSET);
+    let lsn = u64_at(data, at + LSN_OFFSET);
     let start = at + RECORD_HEADER_BYTES;
     let end = start + len as usize;
     let payload = &data[start..end];
-    let computed = record_crc(&data[at + 8..end]);
+    let computed = record_crc(&data[at + LSN_OFFSET..end]);
     if stored != computed {
         return Err(BadRecord::Checksum { stored, computed });
     }
@@ -187,7 +191,7 @@ pub(crate) fn valid_record_after(data: &[u8], bad_at: usize, min_lsn: Lsn) -> Op
     // than one per header's worth of bytes.
     let max_lsn = min_lsn.saturating_add(data.len() as u64);
     (bad_at + 1..=last_start).find_map(|at| {
-        let lsn = u64_at(data, at + 8);
+        let lsn = u64_at(data, at + LSN_OFFSET);
         if lsn < min_lsn || lsn > max_lsn {
             return None;
         }
