@@ -161,8 +161,9 @@ fn main() {
             "  Ledger::scope_heap_bytes / scope: {:.1}  (names and state words, no map or GC queue)",
             l.scope_heap_bytes() as f64 / scopes as f64
         );
+        l.scope_heap_bytes()
     };
-    report(
+    let within_grace = report(
         &l,
         "just after the last settle (every scope within the 5 s idle-scope grace)",
         "",
@@ -175,10 +176,17 @@ fn main() {
         "every scope with history is kept at rest: {} < {n}",
         l.scope_count()
     );
-    report(
+    let at_rest = report(
         &l,
         &format!("at rest, {} s later", AT_REST_AFTER_MS / 1_000),
         "  (target <= 400)",
+    );
+    // Were the grace ever longer than the wait, "at rest" would quietly
+    // measure the scopes within it again.
+    assert!(
+        at_rest < within_grace,
+        "the idle scopes were not trimmed {AT_REST_AFTER_MS} ms after their last use: \
+         raise AT_REST_AFTER_MS past the engine's idle-scope grace"
     );
     // Every window has history: the last user's limits all show use.
     let probe = l
