@@ -169,6 +169,24 @@ async fn open_store(
     .await
 }
 
+/// A test's empty data dir, a clock at [`START_MS`], ids seeded with
+/// `seed` and the real file system.
+fn setup(
+    seed: u64,
+) -> (
+    tempfile::TempDir,
+    Arc<ManualClock>,
+    Arc<SeededIds>,
+    Arc<dyn FileSystem>,
+) {
+    (
+        tempfile::tempdir().expect("temp dir"),
+        Arc::new(ManualClock::new(Timestamp::from_millis(START_MS))),
+        Arc::new(SeededIds::new(seed)),
+        Arc::new(RealFs),
+    )
+}
+
 /// Leaves in `dir` a closed store's log: its configuration, then `pairs`
 /// reserve + refund pairs of tenant-only requests.
 async fn write_pairs(
@@ -351,10 +369,7 @@ proptest! {
     ) {
         let rt = runtime();
         rt.block_on(async {
-            let dir = tempfile::tempdir().expect("temp dir");
-            let clock = Arc::new(ManualClock::new(Timestamp::from_millis(START_MS)));
-            let ids = Arc::new(SeededIds::new(42));
-            let fs: Arc<dyn FileSystem> = Arc::new(RealFs);
+            let (dir, clock, ids, fs) = setup(42);
             let (mut store, _) = open_store(dir.path(), fs.clone(), shards, snapshot_every, &clock, &ids)
                 .await
                 .expect("open");
@@ -414,10 +429,7 @@ proptest! {
     ) {
         let rt = runtime();
         rt.block_on(async {
-            let dir = tempfile::tempdir().expect("temp dir");
-            let clock = Arc::new(ManualClock::new(Timestamp::from_millis(START_MS)));
-            let ids = Arc::new(SeededIds::new(43));
-            let fs: Arc<dyn FileSystem> = Arc::new(RealFs);
+            let (dir, clock, ids, fs) = setup(43);
             // No snapshots: the main log holds everything to regenerate from.
             let (mut store, _) = open_store(dir.path(), fs.clone(), shards, u64::MAX, &clock, &ids)
                 .await
@@ -643,10 +655,7 @@ fn faults_below_the_log_lose_nothing_acknowledged() {
 fn torn_tail_corruption_and_a_second_process() {
     let rt = runtime();
     rt.block_on(async {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let clock = Arc::new(ManualClock::new(Timestamp::from_millis(START_MS)));
-        let ids = Arc::new(SeededIds::new(9));
-        let fs: Arc<dyn FileSystem> = Arc::new(RealFs);
+        let (dir, clock, ids, fs) = setup(9);
         let catalog = catalogs::standard();
         let (store, _) = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
             .await
@@ -710,10 +719,7 @@ fn torn_tail_corruption_and_a_second_process() {
 fn admin_changes_survive_and_win_over_the_file() {
     let rt = runtime();
     rt.block_on(async {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let clock = Arc::new(ManualClock::new(Timestamp::from_millis(START_MS)));
-        let ids = Arc::new(SeededIds::new(11));
-        let fs: Arc<dyn FileSystem> = Arc::new(RealFs);
+        let (dir, clock, ids, fs) = setup(11);
         let (store, _) = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
             .await
             .expect("open");
@@ -795,10 +801,7 @@ fn an_undecodable_record_stops_start_up_with_its_lsn() {
     let rt = runtime();
     rt.block_on(async {
         for garbage_after in [0u64, 5, 1500] {
-            let dir = tempfile::tempdir().expect("temp dir");
-            let clock = Arc::new(ManualClock::new(Timestamp::from_millis(START_MS)));
-            let ids = Arc::new(SeededIds::new(5));
-            let fs: Arc<dyn FileSystem> = Arc::new(RealFs);
+            let (dir, clock, ids, fs) = setup(5);
             write_pairs(dir.path(), &fs, &clock, &ids, garbage_after).await;
             // A well-framed record (valid checksum) of nonsense.
             let (wal, recovered) =
@@ -827,10 +830,7 @@ fn an_undecodable_record_stops_start_up_with_its_lsn() {
 fn a_record_the_applier_refuses_stops_start_up_with_its_lsn() {
     let rt = runtime();
     rt.block_on(async {
-        let source = tempfile::tempdir().expect("temp dir");
-        let clock = Arc::new(ManualClock::new(Timestamp::from_millis(START_MS)));
-        let ids = Arc::new(SeededIds::new(6));
-        let fs: Arc<dyn FileSystem> = Arc::new(RealFs);
+        let (source, clock, ids, fs) = setup(6);
         write_pairs(source.path(), &fs, &clock, &ids, 3000).await;
         // The same records without the first (the configuration).
         let (wal, _) =

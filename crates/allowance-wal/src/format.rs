@@ -327,7 +327,7 @@ mod tests {
             crc32c::crc32c(&0x0102_0304_0506_0708u64.to_le_bytes()),
             b"payload",
         );
-        assert_eq!(u32_at(&buf, 4), expected);
+        assert_eq!(u32_at(&buf, CRC_OFFSET), expected);
     }
 
     #[test]
