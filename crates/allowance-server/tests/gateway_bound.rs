@@ -494,3 +494,78 @@ async fn a_stream_left_on_its_bound_is_not_cut_for_the_bound() {
     gw.wait_nothing_held().await;
     assert_eq!(gw.limit(BOB, "tokens").await, (input + 40, 0));
 }
+
+// On the durable store the swap's new holds wait for an fsync. The events
+// flow on meanwhile: the swap used to run in the stream's own task, so
+// whenever the exact count was ready before the provider's first bytes,
+// the client waited for that fsync too. Here every fsync takes 400 ms (a
+// reserve that queues behind another commit still answers within the
+// store's 1 s timeout), the count is ready as the stream starts, and the
+// provider writes an event every 25 ms: no silence near the fsync's length
+// is allowed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_flows_on_while_its_holds_are_swapped() {
+    use futures_util::StreamExt;
+    let _one_at_a_time = DURABLE_FAULTS.lock().await;
+    let (gw, faulty, _dir) = durable_gw("swapflow").await;
+    gw.count_upstream_exactly().await;
+    gw.behave(BehaviorPatch {
+        output_tokens: Some(30),
+        token_delay_ms: Some(25),
+        ..Default::default()
+    });
+    let body = stream_chat(&long_unique_prompt(5_000), 60);
+    let input = stub_chat_tokens(&body);
+    let fsync = Duration::from_millis(400);
+    faulty.set_sync_delay(fsync);
+
+    let resp = gw
+        .post("/v1/chat/completions")
+        .json(&body)
+        .send()
+        .await
+        .expect("the call is answered");
+    assert_eq!(resp.status(), 200);
+    let mut events = resp.bytes_stream();
+    let mut text = String::new();
+    let mut last = Instant::now();
+    let mut longest_silence = Duration::ZERO;
+    while let Some(chunk) = events.next().await {
+        longest_silence = longest_silence.max(last.elapsed());
+        last = Instant::now();
+        text.push_str(std::str::from_utf8(&chunk.expect("a chunk")).expect("UTF-8"));
+    }
+    assert_eq!(hellos(&chat_content(&sse_events(&text))), 30, "{text}");
+    assert!(
+        longest_silence < fsync * 3 / 4,
+        "the stream fell silent for {longest_silence:?} (events every 25 ms, an fsync takes {fsync:?}): \
+         the swap's reserve stood between the provider and the client"
+    );
+
+    // It was swapped all the same (once its reserve was durable), and the
+    // call settled on the exact holds.
+    faulty.set_sync_delay(Duration::ZERO);
+    gw.wait_nothing_held().await;
+    let callers = gw.caller_records().await;
+    assert_eq!(
+        callers.len(),
+        2,
+        "the bound's and the exact one: {callers:#?}"
+    );
+    let refunded = callers
+        .iter()
+        .find(|r| r["kind"] == "refunded")
+        .expect("the bound's hold refunded");
+    assert!(held_input(refunded) > input, "{refunded}");
+    let settled = callers
+        .iter()
+        .find(|r| r["kind"] == "settled")
+        .expect("the exact hold settled");
+    assert_eq!(held_input(settled), input, "{settled}");
+    assert_eq!(
+        amount(settled, "charged", "input_tokens"),
+        input,
+        "{settled}"
+    );
+    assert_eq!(amount(settled, "charged", "output_tokens"), 30, "{settled}");
+}

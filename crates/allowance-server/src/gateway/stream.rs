@@ -111,15 +111,24 @@ async fn pump(
     // The bound's holds, refunded off the stream's path once swapped:
     // waited for before the call settles.
     let mut refunds: Option<tokio::task::JoinHandle<()>> = None;
+    // The exact holds being taken, while the events flow on: no top-up
+    // runs until they are (a top-up must not land on a hold being swapped).
+    let mut swapping: Option<Swapping> = None;
     'read: loop {
         let next = tokio::select! {
             n = tokio::time::timeout(UPSTREAM_TIMEOUT, upstream.next()) => n,
             _ = tx.closed() => { end = End::ClientGone; break 'read; }
-            // In this task, so no top-up runs on a hold being swapped.
             c = OptionFuture::from(counting.as_mut()), if counting.is_some() => {
                 counting = None;
-                if let Some(Some(n)) = c.map(exact_count)
-                    && tighten(&state, &mut p, n, &mut tenant_id, &mut attempt_id, held_output, &mut refunds).await
+                if let Some(Some(n)) = c.map(exact_count) {
+                    swapping = start_swap(&state, &mut p, n, attempt_id.is_some(), held_output);
+                }
+                continue 'read;
+            }
+            taken = OptionFuture::from(swapping.as_mut()), if swapping.is_some() => {
+                swapping = None;
+                if let Some(taken) = taken
+                    && finish_swap(&state, taken, &mut tenant_id, &mut attempt_id, &mut refunds)
                 {
                     lease = Lease::start(&state, &p, tenant_id).and(&state, &p, attempt_id);
                 }
@@ -181,7 +190,8 @@ async fn pump(
             // Top up before the hold runs out: a quarter of a tranche early,
             // so the stream rarely waits on the ledger.
             let early = p.tranche_tokens / 4;
-            if held_output < p.output_bound && counted + early >= held_output {
+            if swapping.is_none() && held_output < p.output_bound && counted + early >= held_output
+            {
                 let add = p.tranche_tokens.min(p.output_bound - held_output);
                 let amounts = Amounts::new().with(Dimension::OUTPUT_TOKENS, add);
                 match state
@@ -249,6 +259,16 @@ async fn pump(
     drop(tx);
     drop(permit);
     drop(lease);
+    // A swap still in flight ends first: the call settles its exact holds.
+    if let Some(swap) = swapping.take() {
+        finish_swap(
+            &state,
+            swap.await,
+            &mut tenant_id,
+            &mut attempt_id,
+            &mut refunds,
+        );
+    }
 
     // The provider's usage is the whole truth only for a stream it
     // finished: Anthropic's first event already reports an output of 1.
@@ -309,57 +329,88 @@ async fn pump(
     );
 }
 
-/// Swaps a stream's holds on the bound of its input for holds on the exact
-/// count `input_tokens`: a new reservation of each (the caller's with the
-/// output held so far), then a refund of the old one. A swap the ledger
-/// refuses (no room for both at once) keeps the bound's hold, which is
-/// larger: the call goes on. Returns whether anything was swapped.
+/// A swap's reservations being taken: the new ids of the caller's hold and
+/// of the attempt's, each `None` when the ledger refused it.
+type Swapping = std::pin::Pin<
+    Box<dyn std::future::Future<Output = (Option<ReservationId>, Option<ReservationId>)> + Send>,
+>;
+
+/// Starts swapping a stream's holds on the bound of its input for holds on
+/// the exact count `input_tokens`: a new reservation of each (the caller's
+/// with the output held so far), taken while the events flow on; then
+/// [`finish_swap`] refunds the old ones. `None` when there is nothing to
+/// swap (the count is not below the bound).
 ///
-/// The refunds run as their own task (`refunds`): the stream goes on as
-/// soon as the exact holds are taken, instead of waiting for the old ones'
-/// release to be durable too.
-async fn tighten(
+/// The stream does not wait for it: on the durable store the new holds'
+/// reserve is an fsync, which used to stand between the provider's first
+/// bytes and the client whenever the count finished just before them.
+fn start_swap(
     state: &AppState,
     p: &mut Prepared,
     input_tokens: u64,
-    tenant_id: &mut ReservationId,
-    attempt_id: &mut Option<ReservationId>,
+    has_attempt: bool,
     held_output: u64,
-    refunds: &mut Option<tokio::task::JoinHandle<()>>,
-) -> bool {
+) -> Option<Swapping> {
     let bound = p.estimate.input_tokens;
     p.set_input_tokens(input_tokens);
     if input_tokens >= bound {
-        return false;
+        return None;
     }
     let mut tenant_req = p.tenant_req.clone();
     tenant_req
         .amounts
         .set(Dimension::OUTPUT_TOKENS, held_output);
     tenant_req.report_remaining = false;
-    let attempt = async {
-        match attempt_id {
-            Some(_) => Some(admit(state, &p.catalog, &p.attempt_req, 0, 0, Some(&p.tenant)).await),
-            None => None,
-        }
-    };
-    let (tenant, attempt) =
-        tokio::join!(admit(state, &p.catalog, &tenant_req, 0, 0, None), attempt);
+    let attempt_req = has_attempt.then(|| p.attempt_req.clone());
+    let (state, catalog, tenant) = (state.clone(), p.catalog.clone(), p.tenant.clone());
+    Some(Box::pin(async move {
+        let attempt = async {
+            match &attempt_req {
+                Some(req) => Some(admit(&state, &catalog, req, 0, 0, Some(&tenant)).await),
+                None => None,
+            }
+        };
+        let (tenant, attempt) =
+            tokio::join!(admit(&state, &catalog, &tenant_req, 0, 0, None), attempt);
+        let granted = |r: Result<Result<allowance_core::Granted, _>, _>| match r {
+            Ok(Ok(g)) => Some(g.id),
+            _ => None,
+        };
+        (granted(tenant), attempt.and_then(granted))
+    }))
+}
+
+/// Ends a swap: the ids the ledger granted replace the old ones, whose
+/// holds are refunded as their own task (`refunds`, waited for before the
+/// call settles). A swap the ledger refused (no room for both at once)
+/// keeps the bound's hold, which is larger: the call goes on. Returns
+/// whether anything was swapped.
+fn finish_swap(
+    state: &AppState,
+    (tenant, attempt): (Option<ReservationId>, Option<ReservationId>),
+    tenant_id: &mut ReservationId,
+    attempt_id: &mut Option<ReservationId>,
+    refunds: &mut Option<tokio::task::JoinHandle<()>>,
+) -> bool {
     let mut old = Vec::new();
-    if let Ok(Ok(g)) = tenant {
-        old.push(std::mem::replace(tenant_id, g.id));
+    if let Some(new) = tenant {
+        old.push(std::mem::replace(tenant_id, new));
     }
-    if let (Some(Ok(Ok(g))), Some(id)) = (attempt, attempt_id.as_mut()) {
-        old.push(std::mem::replace(id, g.id));
+    if let (Some(new), Some(id)) = (attempt, attempt_id.as_mut()) {
+        old.push(std::mem::replace(id, new));
     }
-    let swapped = !old.is_empty();
-    if swapped {
-        let state = state.clone();
-        *refunds = Some(tokio::spawn(async move {
-            futures_util::future::join_all(old.into_iter().map(|id| refund(&state, id))).await;
-        }));
+    if old.is_empty() {
+        return false;
     }
-    swapped
+    let state = state.clone();
+    let earlier = refunds.take();
+    *refunds = Some(tokio::spawn(async move {
+        if let Some(earlier) = earlier {
+            let _ = earlier.await;
+        }
+        futures_util::future::join_all(old.into_iter().map(|id| refund(&state, id))).await;
+    }));
+    true
 }
 
 /// A chat chunk as it would read had usage not been asked for: its
