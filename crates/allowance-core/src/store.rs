@@ -223,6 +223,18 @@ impl std::fmt::Debug for Durable {
 pub trait Store: Send + Sync + 'static {
     /// Holds `req.amounts` on every scope, all or nothing (or answers a dry run).
     async fn reserve(&self, req: &ReserveRequest) -> Result<Granted, StoreError<ReserveError>>;
+    /// [`Store::reserve`], answered as soon as the ledger has applied it;
+    /// durable when the [`Durable`] resolves. For reservations a caller
+    /// makes together and waits for together (a gateway call's own hold
+    /// and its place upstream): on the durable store they then share one
+    /// group commit. Nothing may act on the grant (call a provider, answer
+    /// a client) before its `Durable` resolves `Ok`.
+    async fn reserve_decided(
+        &self,
+        req: &ReserveRequest,
+    ) -> Result<(Granted, Durable), StoreError<ReserveError>> {
+        self.reserve(req).await.map(|g| (g, Durable::now()))
+    }
     /// Records usage and releases the hold; idempotent.
     async fn settle(
         &self,

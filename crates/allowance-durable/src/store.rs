@@ -125,25 +125,55 @@ struct Live {
 /// Appends each committed change to the log, under the ledger's locks.
 struct WalJournal<'a>(&'a Live);
 
+/// A [`WalJournal`] whose appends do not wake the log's writer (see
+/// [`Wal::append_unannounced`]): for a change whose durability is awaited
+/// together with a sibling's.
+struct QuietWalJournal<'a>(&'a Live);
+
+impl Journal for QuietWalJournal<'_> {
+    type Ticket = Result<Lsn, String>;
+    const USAGE: bool = true;
+
+    fn commit(&self, change: &Committed<'_>, usage: Vec<UsageEvent>) -> Self::Ticket {
+        journal_commit(self.0, change, usage, false)
+    }
+}
+
 impl Journal for WalJournal<'_> {
     type Ticket = Result<Lsn, String>;
     const USAGE: bool = true;
 
     fn commit(&self, change: &Committed<'_>, usage: Vec<UsageEvent>) -> Self::Ticket {
-        if let Committed::Catalog(c) = change {
-            record::push_overlay(&mut self.0.overlay.lock(), c);
-        }
-        // Held across the append, so the queue is in the main log's order.
-        let mut pending = self.0.pending_usage.lock();
-        let lsn =
-            record::with_encoded(&RecordRef::Change(change), |bytes| self.0.wal.append(bytes))
-                .map_err(|e| format!("cannot encode the record: {e}"))?
-                .map_err(|e| e.to_string())?;
-        if !usage.is_empty() {
-            pending.push_back((lsn, usage));
-        }
-        Ok(lsn)
+        journal_commit(self.0, change, usage, true)
     }
+}
+
+/// Appends a change (waking the log's writer when `announce`) and queues
+/// its usage events.
+fn journal_commit(
+    live: &Live,
+    change: &Committed<'_>,
+    usage: Vec<UsageEvent>,
+    announce: bool,
+) -> Result<Lsn, String> {
+    if let Committed::Catalog(c) = change {
+        record::push_overlay(&mut live.overlay.lock(), c);
+    }
+    // Held across the append, so the queue is in the main log's order.
+    let mut pending = live.pending_usage.lock();
+    let lsn = record::with_encoded(&RecordRef::Change(change), |bytes| {
+        if announce {
+            live.wal.append(bytes)
+        } else {
+            live.wal.append_unannounced(bytes)
+        }
+    })
+    .map_err(|e| format!("cannot encode the record: {e}"))?
+    .map_err(|e| e.to_string())?;
+    if !usage.is_empty() {
+        pending.push_back((lsn, usage));
+    }
+    Ok(lsn)
 }
 
 /// Appends `events` (the main record `main_lsn`'s, from `first_index` on)
@@ -959,6 +989,32 @@ impl Store for DurableStore {
                 }
                 Ok(g)
             }
+            (Err(e), _) => Err(StoreError::Rejected(e)),
+        }
+    }
+
+    async fn reserve_decided(
+        &self,
+        req: &ReserveRequest,
+    ) -> Result<(Granted, Durable), StoreError<ReserveError>> {
+        let live = self.inner.live()?;
+        let id = ReservationId::mint(self.inner.ids.next_random(), req.scopes.tenant_name());
+        let (r, ticket) =
+            live.ledger
+                .reserve_journaled(self.inner.clock.now(), id, req, &QuietWalJournal(&live));
+        let this = self.clone();
+        match (r, ticket) {
+            (Ok(g), Some(t)) => Ok((
+                g,
+                Durable::when(async move { this.durable(&live, t).await }),
+            )),
+            // A replay of an earlier reserve: durable once everything
+            // appended so far is (as in `reserve`). A dry run changed nothing.
+            (Ok(g), None) if g.replayed => Ok((
+                g,
+                Durable::when(async move { this.settled_so_far(&live).await }),
+            )),
+            (Ok(g), None) => Ok((g, Durable::now())),
             (Err(e), _) => Err(StoreError::Rejected(e)),
         }
     }

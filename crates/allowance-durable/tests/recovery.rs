@@ -863,3 +863,48 @@ fn a_record_the_applier_refuses_stops_start_up_with_its_lsn() {
         );
     });
 }
+
+/// `reserve_decided` answers once applied and is durable when its
+/// `Durable` resolves: reservations decided together and awaited together
+/// are all there after a reopen, and a dry run has nothing to wait for.
+#[test]
+fn decided_reserves_are_durable_once_awaited() {
+    let rt = runtime();
+    rt.block_on(async {
+        let (dir, clock, ids, fs) = setup(12);
+        let (store, _) = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
+            .await
+            .expect("open");
+        let catalog = catalogs::standard();
+        let mut decided = Vec::new();
+        for i in 0..3 {
+            let (granted, durable) = store
+                .reserve_decided(&tenant_only(&catalog, i, 10 + i))
+                .await
+                .expect("granted");
+            assert!(!durable.is_now(), "a real reserve waits for its log");
+            // Applied already: the ledger answers for it before it is durable.
+            assert!(store.get(granted.id).await.expect("get").is_some());
+            decided.push((granted.id, durable));
+        }
+        let mut dry = tenant_only(&catalog, 0, 1);
+        dry.dry_run = true;
+        let (_, durable) = store.reserve_decided(&dry).await.expect("dry run");
+        assert!(durable.is_now(), "a dry run changes nothing");
+        let ids_held: Vec<_> = decided.iter().map(|(id, _)| *id).collect();
+        // The first wait wakes the log's writer, which finds all three.
+        for (_, durable) in decided {
+            durable.wait().await.expect("durable");
+        }
+        store.close().await.expect("close");
+
+        let (store, _) = open_store(dir.path(), fs, 4, u64::MAX, &clock, &ids)
+            .await
+            .expect("reopen");
+        for id in ids_held {
+            let r = store.get(id).await.expect("get").expect("kept");
+            assert_eq!(r.status, allowance_core::Status::Held);
+        }
+        store.close().await.expect("close");
+    });
+}

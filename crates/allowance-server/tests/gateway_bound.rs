@@ -569,3 +569,54 @@ async fn a_stream_flows_on_while_its_holds_are_swapped() {
     );
     assert_eq!(amount(settled, "charged", "output_tokens"), 30, "{settled}");
 }
+
+// A call's own hold and its place upstream are reserved together and must
+// be durable before anything goes upstream: they share one group commit.
+// Awaited one by one, the second record could miss the first's batch (the
+// log's writer, woken by the first append, took it alone) and wait for a
+// second fsync. Here every fsync takes 300 ms: the call must answer after
+// about one of them, not two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_calls_two_holds_share_one_fsync() {
+    let _one_at_a_time = DURABLE_FAULTS.lock().await;
+    let (gw, faulty, _dir) = durable_gw("onecommit").await;
+    let body = chat("Hello, durable world.", 20);
+    // One call first: connections, caches and lazy set-up out of the way.
+    let r = read(gw.post("/v1/chat/completions").json(&body)).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    gw.wait_nothing_held().await;
+
+    let fsync = Duration::from_millis(300);
+    faulty.set_sync_delay(fsync);
+    // Let a commit already under way (the first call's settles) finish.
+    tokio::time::sleep(fsync * 2).await;
+    let started = Instant::now();
+    let r = read(gw.post("/v1/chat/completions").json(&body)).await;
+    let took = started.elapsed();
+    faulty.set_sync_delay(Duration::ZERO);
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert!(
+        took >= fsync,
+        "answered in {took:?}, before its holds' fsync ({fsync:?}) could end"
+    );
+    assert!(
+        took < fsync * 2 - Duration::from_millis(50),
+        "answered in {took:?}: its two holds took two fsyncs of {fsync:?}, one after the other"
+    );
+    gw.wait_nothing_held().await;
+    // Both calls settled (the usage log follows the main log shortly).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let settled = gw
+            .caller_records()
+            .await
+            .iter()
+            .filter(|r| r["kind"] == "settled")
+            .count();
+        if settled == 2 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{settled} of 2 calls settled");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -167,6 +167,21 @@ impl Wal {
     /// Fails, appending nothing, when the log has failed, the payload
     /// exceeds [`MAX_RECORD_BYTES`], or the backlog is full.
     pub fn append(&self, payload: &[u8]) -> Result<Lsn, WalError> {
+        let lsn = self.append_unannounced(payload)?;
+        if self.shared.write_every.is_none() {
+            self.shared.writer_cv.notify_one();
+        }
+        Ok(lsn)
+    }
+
+    /// [`append`](Wal::append) without waking the writer: the first
+    /// [`durable`](Wal::durable) call that waits does. For records a task
+    /// appends together and then waits for together (a gateway call's own
+    /// hold and its place upstream): woken at the first append, the writer
+    /// could take that record alone, and the second would wait for a
+    /// second fsync behind it. A record nobody waits for is written with
+    /// the next batch anyone asks for.
+    pub fn append_unannounced(&self, payload: &[u8]) -> Result<Lsn, WalError> {
         if payload.len() > MAX_RECORD_BYTES {
             return Err(WalError::RecordTooLarge {
                 bytes: payload.len(),
@@ -193,10 +208,6 @@ impl Wal {
         }
         format::encode_record(&mut state.pending, lsn, payload);
         state.last_lsn = lsn;
-        drop(state);
-        if self.shared.write_every.is_none() {
-            self.shared.writer_cv.notify_one();
-        }
         Ok(lsn)
     }
 
@@ -227,6 +238,11 @@ impl Wal {
             // wake-up can slip between the check above and this.
             let (tx, rx) = oneshot::channel();
             state.waiters.push((lsn, tx));
+            // A no-op unless the writer sleeps: then this record was
+            // appended unannounced and nothing else woke it.
+            if self.shared.write_every.is_none() {
+                self.shared.writer_cv.notify_one();
+            }
             rx
         };
         match rx.await {

@@ -76,3 +76,39 @@ fn sixty_four_concurrent_appenders_share_a_handful_of_fsyncs() {
         "every record once"
     );
 }
+
+/// Records appended unannounced wait for the first waiter to wake the
+/// writer, which then finds them all: one write and one fsync for a
+/// task's joined appends, however fast the writer wakes.
+#[test]
+fn unannounced_appends_share_the_batch_their_waiter_asks_for() {
+    let dir = TempDir::new("unannounced");
+    let fs = FaultyFs::new();
+    let (wal, _) = Wal::open(WalOptions::new(dir.path()), Arc::new(fs.clone())).expect("open");
+    let rt = runtime();
+    let warm_up = wal.append(b"warm-up").expect("append");
+    common::durable(&rt, &wal, warm_up).expect("durable");
+    for round in 0..20u64 {
+        // The writer asleep, as between a quiet server's calls (an awake
+        // writer takes whatever it finds, announced or not).
+        std::thread::sleep(Duration::from_millis(5));
+        let before = fs.stats();
+        let first = wal
+            .append_unannounced(&round.to_le_bytes())
+            .expect("append");
+        // However long the task takes between its appends.
+        std::thread::sleep(Duration::from_millis(2));
+        let second = wal
+            .append_unannounced(&(round + 100).to_le_bytes())
+            .expect("append");
+        rt.block_on(async {
+            let (a, b) = tokio::join!(wal.durable(first), wal.durable(second));
+            a.and(b)
+        })
+        .expect("durable");
+        let after = fs.stats();
+        assert_eq!(after.writes - before.writes, 1, "round {round}: one write");
+        assert_eq!(after.syncs - before.syncs, 1, "round {round}: one fsync");
+    }
+    assert_eq!(read_after(&wal, 0).len(), 41);
+}

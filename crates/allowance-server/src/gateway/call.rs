@@ -462,10 +462,10 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
                     // for the call's true size, so count first, as any call.
                     // (A refund is logged after the reserve it ends: no need to
                     // wait for the reserve's own durability.)
-                    if let Ok(g) = &granted {
+                    if let Ok((g, _)) = &granted {
                         refund(&state, g.id).await;
                     }
-                    if let Some((permit, id)) = first {
+                    if let Some((permit, id, _)) = first {
                         drop(permit);
                         refund(&state, id).await;
                     }
@@ -477,6 +477,7 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
             }
         }
     };
+    let (granted, first) = made_durable(&state, granted, first).await;
     let granted = match granted {
         Ok(g) => g,
         Err(e) => {
@@ -555,8 +556,8 @@ async fn reserve_tenant(
     state: &AppState,
     p: &Prepared,
     count_denial: bool,
-) -> Result<Granted, GatewayError> {
-    match admit(state, &p.catalog, &p.tenant_req, 0, 0, None).await {
+) -> Result<(Granted, Durable), GatewayError> {
+    match admit_decided(state, &p.tenant_req).await {
         Ok(Ok(g)) => Ok(g),
         Ok(Err(StoreError::Rejected(ReserveError::Denied(d)))) => {
             if count_denial {
@@ -715,16 +716,79 @@ async fn schedule(
 /// The first attempt's place upstream when it is free now: no backoff, a
 /// free place in the gate, room on `upstream:<name>` at once. `None` sends
 /// the call through [`schedule`], which waits.
-async fn schedule_now(state: &AppState, p: &Prepared) -> Option<(Permit, ReservationId)> {
+async fn schedule_now(state: &AppState, p: &Prepared) -> Option<(Permit, ReservationId, Durable)> {
     let up = &p.upstream;
     if up.backoff_until().is_some() {
         return None;
     }
     let permit = up.try_acquire()?;
-    match admit(state, &p.catalog, &p.attempt_req, 0, 0, Some(&p.tenant)).await {
-        Ok(Ok(g)) => Some((permit, g.id)),
+    match admit_decided(state, &p.attempt_req).await {
+        Ok(Ok((g, durable))) => Some((permit, g.id, durable)),
         _ => None,
     }
+}
+
+/// [`admit`] without a wait, answered when the ledger has applied the
+/// reserve: the caller awaits the [`Durable`] (with its siblings').
+async fn admit_decided(
+    state: &AppState,
+    req: &ReserveRequest,
+) -> Result<Result<(Granted, Durable), StoreError<ReserveError>>, crate::error::ApiError> {
+    // Waiters the queue holds for these scopes come first (`admit`'s rule).
+    if !req.dry_run
+        && req.idempotency_key.is_none()
+        && let Some(d) = state.queue().blocking(req)
+    {
+        return Ok(Err(StoreError::Rejected(ReserveError::Denied(d))));
+    }
+    state.call(state.store().reserve_decided(req)).await
+}
+
+/// Waits until the caller's hold and the first attempt's place upstream
+/// are durable — together, so on the durable store they share one group
+/// commit (awaited one by one, the second reserve's record could miss the
+/// first's batch and queue a second fsync before anything goes upstream).
+/// A hold that never becomes durable answers as an unavailable store.
+async fn made_durable(
+    state: &AppState,
+    granted: Result<(Granted, Durable), GatewayError>,
+    first: Option<(Permit, ReservationId, Durable)>,
+) -> (
+    Result<Granted, GatewayError>,
+    Option<(Permit, ReservationId)>,
+) {
+    let wait = |d: Durable| async move {
+        match state.call(Box::pin(d.wait())).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(GatewayError::unavailable(format!(
+                "the ledger's log failed: {e}"
+            ))),
+            Err(_) => Err(GatewayError::unavailable(
+                "the store did not answer in time",
+            )),
+        }
+    };
+    let (first, attempt_durable) = match first {
+        Some((permit, id, d)) => (Some((permit, id)), Some(d)),
+        None => (None, None),
+    };
+    let (granted, tenant_durable) = match granted {
+        Ok((g, d)) => (g, d),
+        // Refused: the call ends here, and the attempt's place is refunded
+        // (a refund is logged after the reserve it ends, so neither waits).
+        Err(e) => return (Err(e), first),
+    };
+    let (tenant_ok, attempt_ok) = tokio::join!(wait(tenant_durable), async {
+        match attempt_durable {
+            Some(d) => wait(d).await,
+            None => Ok(()),
+        }
+    });
+    // Not durable: the store fenced itself and rebuilds from what is on
+    // disk; a hold it still finds there expires with its TTL, never charged.
+    let granted = tenant_ok.map(|()| granted);
+    let first = if attempt_ok.is_ok() { first } else { None };
+    (granted, first)
 }
 
 /// Honours the upstream's shared backoff: waits until it ends, or — when
