@@ -228,7 +228,10 @@ pub trait Store: Send + Sync + 'static {
     /// makes together and waits for together (a gateway call's own hold
     /// and its place upstream): on the durable store they then share one
     /// group commit. Nothing may act on the grant (call a provider, answer
-    /// a client) before its `Durable` resolves `Ok`.
+    /// a client) before its `Durable` resolves `Ok`. Await it: the durable
+    /// store does not wake its log's writer for a decided change until
+    /// someone waits (a change nobody waits for is written with the next
+    /// batch anyone asks for).
     async fn reserve_decided(
         &self,
         req: &ReserveRequest,
@@ -243,6 +246,7 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<Reservation, StoreError<SettleError>>;
     /// [`Store::settle`], answered as soon as the ledger has applied it
     /// (later operations see it); durable when the [`Durable`] resolves.
+    /// Await it, as [`Store::reserve_decided`]'s.
     async fn settle_decided(
         &self,
         id: ReservationId,

@@ -1025,9 +1025,12 @@ impl Store for DurableStore {
         usage: &Usage,
     ) -> Result<(Reservation, Durable), StoreError<SettleError>> {
         let live = self.inner.live()?;
+        // Unannounced, as `reserve_decided`: a whole answer's two settles
+        // (the caller's and the attempt's) share the batch their waiter
+        // asks for.
         let (r, t) = live
             .ledger
-            .settle_journaled(self.inner.clock.now(), id, usage, &WalJournal(&live))
+            .settle_journaled(self.inner.clock.now(), id, usage, &QuietWalJournal(&live))
             .map_err(StoreError::Rejected)?;
         let this = self.clone();
         Ok((

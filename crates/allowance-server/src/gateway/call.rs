@@ -1087,7 +1087,7 @@ pub(crate) async fn settle_attempt(
 /// fails instead, the store rebuilds from its data dir without them: they
 /// are applied again (plain, durable settles: idempotent) once it serves,
 /// or the answered call would never be charged.
-async fn settle_whole(
+pub(crate) async fn settle_whole(
     state: &AppState,
     tenant_id: ReservationId,
     attempt_id: Option<ReservationId>,

@@ -18,7 +18,7 @@ use tokio::sync::mpsc;
 use super::answer::{GatewayError, stream_error_event};
 use super::call::{
     Counting, Lease, Prepared, UPSTREAM_TIMEOUT, copy_headers, count_call, estimated_usage,
-    exact_count, ledger_usage, observe_estimate, refund, settle, settle_attempt,
+    exact_count, ledger_usage, observe_estimate, refund, settle_whole,
 };
 use super::sse::Splitter;
 use super::upstream::Permit;
@@ -310,10 +310,9 @@ async fn pump(
     if let Some(r) = refunds {
         let _ = r.await;
     }
-    tokio::join!(
-        settle_attempt(&state, attempt_id, Some(&final_usage)),
-        settle(&state, &p, tenant_id, &final_usage)
-    );
+    // Applied now; durable together (one group commit on the durable
+    // store), in the background: the client has the whole stream already.
+    settle_whole(&state, tenant_id, attempt_id, &final_usage).await;
     if end != End::Complete {
         ::metrics::counter!("allowance_gateway_streams_cut_total", "reason" => end.label())
             .increment(1);
