@@ -125,13 +125,16 @@ struct Live {
 /// Appends each committed change to the log, under the ledger's locks.
 struct WalJournal<'a>(&'a Live);
 
+/// A journaled change's place in the log (or why it has none).
+type WalTicket = Result<Lsn, String>;
+
 /// A [`WalJournal`] whose appends do not wake the log's writer (see
 /// [`Wal::append_unannounced`]): for a change whose durability is awaited
 /// together with a sibling's.
 struct QuietWalJournal<'a>(&'a Live);
 
 impl Journal for QuietWalJournal<'_> {
-    type Ticket = Result<Lsn, String>;
+    type Ticket = WalTicket;
     const USAGE: bool = true;
 
     fn commit(&self, change: &Committed<'_>, usage: Vec<UsageEvent>) -> Self::Ticket {
@@ -140,7 +143,7 @@ impl Journal for QuietWalJournal<'_> {
 }
 
 impl Journal for WalJournal<'_> {
-    type Ticket = Result<Lsn, String>;
+    type Ticket = WalTicket;
     const USAGE: bool = true;
 
     fn commit(&self, change: &Committed<'_>, usage: Vec<UsageEvent>) -> Self::Ticket {
@@ -847,6 +850,28 @@ fn write_snapshot(live: &Live, now: Timestamp) -> Result<Lsn, String> {
 }
 
 impl DurableStore {
+    /// Applies a reserve and appends its record (waking the log's writer
+    /// when `announce`); answers the live store it used, the grant, and the
+    /// record's ticket (`None`: nothing was written — a dry run or a replay).
+    fn apply_reserve(
+        &self,
+        req: &ReserveRequest,
+        announce: bool,
+    ) -> Result<(Arc<Live>, Granted, Option<WalTicket>), StoreError<ReserveError>> {
+        let live = self.inner.live()?;
+        let id = ReservationId::mint(self.inner.ids.next_random(), req.scopes.tenant_name());
+        let now = self.inner.clock.now();
+        let (r, ticket) = if announce {
+            live.ledger
+                .reserve_journaled(now, id, req, &WalJournal(&live))
+        } else {
+            live.ledger
+                .reserve_journaled(now, id, req, &QuietWalJournal(&live))
+        };
+        let g = r.map_err(StoreError::Rejected)?;
+        Ok((live, g, ticket))
+    }
+
     /// Waits until the ticket's record is durable; fences the store if the
     /// log failed.
     async fn durable(
@@ -973,50 +998,30 @@ async fn rebuild(inner: Arc<Inner>, failed: Arc<Live>) {
 #[async_trait]
 impl Store for DurableStore {
     async fn reserve(&self, req: &ReserveRequest) -> Result<Granted, StoreError<ReserveError>> {
-        let live = self.inner.live()?;
-        let id = ReservationId::mint(self.inner.ids.next_random(), req.scopes.tenant_name());
-        let (r, ticket) =
-            live.ledger
-                .reserve_journaled(self.inner.clock.now(), id, req, &WalJournal(&live));
-        match (r, ticket) {
-            (Ok(g), Some(t)) => {
-                self.durable(&live, t).await?;
-                Ok(g)
-            }
-            (Ok(g), None) => {
-                if g.replayed {
-                    self.settled_so_far(&live).await?;
-                }
-                Ok(g)
-            }
-            (Err(e), _) => Err(StoreError::Rejected(e)),
+        let (live, g, ticket) = self.apply_reserve(req, true)?;
+        match ticket {
+            Some(t) => self.durable(&live, t).await?,
+            // A replay of an earlier reserve: answered once everything
+            // appended so far is durable. A dry run changed nothing.
+            None if g.replayed => self.settled_so_far(&live).await?,
+            None => {}
         }
+        Ok(g)
     }
 
     async fn reserve_decided(
         &self,
         req: &ReserveRequest,
     ) -> Result<(Granted, Durable), StoreError<ReserveError>> {
-        let live = self.inner.live()?;
-        let id = ReservationId::mint(self.inner.ids.next_random(), req.scopes.tenant_name());
-        let (r, ticket) =
-            live.ledger
-                .reserve_journaled(self.inner.clock.now(), id, req, &QuietWalJournal(&live));
+        let (live, g, ticket) = self.apply_reserve(req, false)?;
         let this = self.clone();
-        match (r, ticket) {
-            (Ok(g), Some(t)) => Ok((
-                g,
-                Durable::when(async move { this.durable(&live, t).await }),
-            )),
-            // A replay of an earlier reserve: durable once everything
-            // appended so far is (as in `reserve`). A dry run changed nothing.
-            (Ok(g), None) if g.replayed => Ok((
-                g,
-                Durable::when(async move { this.settled_so_far(&live).await }),
-            )),
-            (Ok(g), None) => Ok((g, Durable::now())),
-            (Err(e), _) => Err(StoreError::Rejected(e)),
-        }
+        // What `reserve` would wait for, to be waited for by the caller.
+        let durable = match ticket {
+            Some(t) => Durable::when(async move { this.durable(&live, t).await }),
+            None if g.replayed => Durable::when(async move { this.settled_so_far(&live).await }),
+            None => Durable::now(),
+        };
+        Ok((g, durable))
     }
 
     async fn settle_decided(

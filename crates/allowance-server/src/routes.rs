@@ -463,6 +463,22 @@ pub(crate) async fn metrics_text(State(state): State<AppState>) -> Response {
 ///
 /// `fair_for` queues the waiter as another tenant's for fairness (the
 /// gateway waits on an upstream's scope on behalf of its caller).
+/// The denial a reserve gets without asking the store, when waiters the
+/// queue holds for its scopes come first. A request with an idempotency key
+/// goes to the store first: a retry must get its replay, even while waiters
+/// hold the scope (a new keyed reservation may then take room ahead of
+/// them: the one exception).
+pub(crate) fn queue_blocks(
+    state: &AppState,
+    req: &ReserveRequest,
+) -> Option<Box<allowance_core::Denial>> {
+    if req.dry_run || req.idempotency_key.is_some() {
+        None
+    } else {
+        state.queue().blocking(req)
+    }
+}
+
 pub(crate) async fn admit(
     state: &AppState,
     catalog: &Catalog,
@@ -471,16 +487,7 @@ pub(crate) async fn admit(
     priority: i32,
     fair_for: Option<&str>,
 ) -> Result<Result<Granted, StoreError<ReserveError>>, ApiError> {
-    let queue = state.queue().clone();
-    // A request with an idempotency key goes to the store first: a retry
-    // must get its replay, even while waiters hold the scope (a new keyed
-    // reservation may then take room ahead of them: the one exception).
-    let blocked = if req.dry_run || req.idempotency_key.is_some() {
-        None
-    } else {
-        queue.blocking(req)
-    };
-    let first = match blocked {
+    let first = match queue_blocks(state, req) {
         Some(d) => Err(StoreError::Rejected(ReserveError::Denied(d))),
         None => state.call(state.store().reserve(req)).await?,
     };

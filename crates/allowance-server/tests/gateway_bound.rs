@@ -329,6 +329,11 @@ static DURABLE_FAULTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(()
 
 /// A gateway on a durable store whose file system can fail on demand.
 async fn durable_gw(upstream: &str) -> (Gw, allowance_wal::FaultyFs, tempfile::TempDir) {
+    durable_gw_with(Setup::new(upstream)).await
+}
+
+/// [`durable_gw`] with a setup of the test's own.
+async fn durable_gw_with(setup: Setup) -> (Gw, allowance_wal::FaultyFs, tempfile::TempDir) {
     use allowance_durable::{DurableOptions, DurableStore};
     use allowance_wal::{FaultyFs, FileSystem};
     use std::sync::Arc;
@@ -337,7 +342,7 @@ async fn durable_gw(upstream: &str) -> (Gw, allowance_wal::FaultyFs, tempfile::T
     let faulty = FaultyFs::new();
     let fs: Arc<dyn FileSystem> = Arc::new(faulty.clone());
     let path = dir.path().to_owned();
-    let gw = Gw::start_on(Setup::new(upstream), |catalog| async move {
+    let gw = Gw::start_on(setup, |catalog| async move {
         let (store, _) = DurableStore::open(
             catalog,
             DurableOptions::new(&path),
@@ -507,7 +512,12 @@ async fn a_stream_left_on_its_bound_is_not_cut_for_the_bound() {
 async fn a_stream_flows_on_while_its_holds_are_swapped() {
     use futures_util::StreamExt;
     let _one_at_a_time = DURABLE_FAULTS.lock().await;
-    let (gw, faulty, _dir) = durable_gw("swapflow").await;
+    // One tranche holds the whole output: a top-up waits for its fsync on
+    // the stream's path by design (it must be held before more is
+    // relayed), and this test is about the swap alone.
+    let mut setup = Setup::new("swapflow");
+    setup.tranche_tokens = 100;
+    let (gw, faulty, _dir) = durable_gw_with(setup).await;
     gw.count_upstream_exactly().await;
     gw.behave(BehaviorPatch {
         output_tokens: Some(30),

@@ -734,11 +734,7 @@ async fn admit_decided(
     state: &AppState,
     req: &ReserveRequest,
 ) -> Result<Result<(Granted, Durable), StoreError<ReserveError>>, crate::error::ApiError> {
-    // Waiters the queue holds for these scopes come first (`admit`'s rule).
-    if !req.dry_run
-        && req.idempotency_key.is_none()
-        && let Some(d) = state.queue().blocking(req)
-    {
+    if let Some(d) = crate::routes::queue_blocks(state, req) {
         return Ok(Err(StoreError::Rejected(ReserveError::Denied(d))));
     }
     state.call(state.store().reserve_decided(req)).await

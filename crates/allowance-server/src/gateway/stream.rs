@@ -401,12 +401,9 @@ fn finish_swap(
     if old.is_empty() {
         return false;
     }
+    // A stream swaps once (its count comes once): no earlier refunds.
     let state = state.clone();
-    let earlier = refunds.take();
     *refunds = Some(tokio::spawn(async move {
-        if let Some(earlier) = earlier {
-            let _ = earlier.await;
-        }
         futures_util::future::join_all(old.into_iter().map(|id| refund(&state, id))).await;
     }));
     true
