@@ -123,31 +123,33 @@ struct Live {
 }
 
 /// Appends each committed change to the log, under the ledger's locks.
-struct WalJournal<'a>(&'a Live);
+/// `announce: false` does not wake the log's writer (see
+/// [`Wal::append_unannounced`]): for a change whose durability is awaited
+/// together with a sibling's (the decided operations).
+struct WalJournal<'a> {
+    live: &'a Live,
+    announce: bool,
+}
+
+impl<'a> WalJournal<'a> {
+    /// The journal of an operation that waits for its own record.
+    fn new(live: &'a Live) -> Self {
+        WalJournal {
+            live,
+            announce: true,
+        }
+    }
+}
 
 /// A journaled change's place in the log (or why it has none).
 type WalTicket = Result<Lsn, String>;
-
-/// A [`WalJournal`] whose appends do not wake the log's writer (see
-/// [`Wal::append_unannounced`]): for a change whose durability is awaited
-/// together with a sibling's.
-struct QuietWalJournal<'a>(&'a Live);
-
-impl Journal for QuietWalJournal<'_> {
-    type Ticket = WalTicket;
-    const USAGE: bool = true;
-
-    fn commit(&self, change: &Committed<'_>, usage: Vec<UsageEvent>) -> Self::Ticket {
-        journal_commit(self.0, change, usage, false)
-    }
-}
 
 impl Journal for WalJournal<'_> {
     type Ticket = WalTicket;
     const USAGE: bool = true;
 
     fn commit(&self, change: &Committed<'_>, usage: Vec<UsageEvent>) -> Self::Ticket {
-        journal_commit(self.0, change, usage, true)
+        journal_commit(self.live, change, usage, self.announce)
     }
 }
 
@@ -824,9 +826,10 @@ fn write_snapshot(live: &Live, now: Timestamp) -> Result<Lsn, String> {
     // Expiries not reported yet are committed first (a snapshot carries
     // none), under the same locks.
     let (tick, (lsn, overlay), ledger) =
-        live.ledger.snapshot_journaled(now, &WalJournal(live), || {
-            (live.wal.last_lsn(), live.overlay.lock().clone())
-        });
+        live.ledger
+            .snapshot_journaled(now, &WalJournal::new(live), || {
+                (live.wal.last_lsn(), live.overlay.lock().clone())
+            });
     if let Some(ticket) = tick {
         ticket?;
     }
@@ -861,13 +864,11 @@ impl DurableStore {
         let live = self.inner.live()?;
         let id = ReservationId::mint(self.inner.ids.next_random(), req.scopes.tenant_name());
         let now = self.inner.clock.now();
-        let (r, ticket) = if announce {
-            live.ledger
-                .reserve_journaled(now, id, req, &WalJournal(&live))
-        } else {
-            live.ledger
-                .reserve_journaled(now, id, req, &QuietWalJournal(&live))
+        let journal = WalJournal {
+            live: &live,
+            announce,
         };
+        let (r, ticket) = live.ledger.reserve_journaled(now, id, req, &journal);
         let g = r.map_err(StoreError::Rejected)?;
         Ok((live, g, ticket))
     }
@@ -1035,7 +1036,15 @@ impl Store for DurableStore {
         // asks for.
         let (r, t) = live
             .ledger
-            .settle_journaled(self.inner.clock.now(), id, usage, &QuietWalJournal(&live))
+            .settle_journaled(
+                self.inner.clock.now(),
+                id,
+                usage,
+                &WalJournal {
+                    live: &live,
+                    announce: false,
+                },
+            )
             .map_err(StoreError::Rejected)?;
         let this = self.clone();
         Ok((
@@ -1052,7 +1061,7 @@ impl Store for DurableStore {
         let live = self.inner.live()?;
         let (r, t) = live
             .ledger
-            .settle_journaled(self.inner.clock.now(), id, usage, &WalJournal(&live))
+            .settle_journaled(self.inner.clock.now(), id, usage, &WalJournal::new(&live))
             .map_err(StoreError::Rejected)?;
         self.durable(&live, t).await?;
         Ok(r)
@@ -1062,7 +1071,7 @@ impl Store for DurableStore {
         let live = self.inner.live()?;
         let (r, t) = live
             .ledger
-            .refund_journaled(self.inner.clock.now(), id, &WalJournal(&live))
+            .refund_journaled(self.inner.clock.now(), id, &WalJournal::new(&live))
             .map_err(StoreError::Rejected)?;
         self.durable(&live, t).await?;
         Ok(r)
@@ -1082,7 +1091,7 @@ impl Store for DurableStore {
                 id,
                 amounts,
                 ttl_ms,
-                &WalJournal(&live),
+                &WalJournal::new(&live),
             )
             .map_err(StoreError::Rejected)?;
         self.durable(&live, t).await?;
@@ -1115,7 +1124,7 @@ impl Store for DurableStore {
                 dimension,
                 credit,
                 reason,
-                &WalJournal(&live),
+                &WalJournal::new(&live),
             )
             .map_err(StoreError::Rejected)?;
         self.durable(&live, t).await?;
@@ -1130,7 +1139,7 @@ impl Store for DurableStore {
         let live = self.inner.live()?;
         let t = live
             .ledger
-            .change_catalog_journaled(change, &WalJournal(&live))
+            .change_catalog_journaled(change, &WalJournal::new(&live))
             .map_err(StoreError::Rejected)?;
         self.durable(&live, t).await?;
         Ok(())
@@ -1143,7 +1152,7 @@ impl Store for DurableStore {
         if live.ledger.has_unreported_expiries()
             && let Some(ticket) = live
                 .ledger
-                .tick_journaled(self.inner.clock.now(), &WalJournal(&live))
+                .tick_journaled(self.inner.clock.now(), &WalJournal::new(&live))
         {
             self.durable(&live, ticket).await?;
         }

@@ -456,13 +456,6 @@ pub(crate) async fn metrics_text(State(state): State<AppState>) -> Response {
         .into_response()
 }
 
-/// A reserve through the admission queue: at once when no waiter is
-/// blocked on its scopes (else refused with that waiter's denial, so it
-/// never takes room a waiter could use); refused for a retryable reason
-/// with `wait_ms > 0`, it waits for room (see `queue.rs`).
-///
-/// `fair_for` queues the waiter as another tenant's for fairness (the
-/// gateway waits on an upstream's scope on behalf of its caller).
 /// The denial a reserve gets without asking the store, when waiters the
 /// queue holds for its scopes come first. A request with an idempotency key
 /// goes to the store first: a retry must get its replay, even while waiters
@@ -479,6 +472,13 @@ pub(crate) fn queue_blocks(
     }
 }
 
+/// A reserve through the admission queue: at once when no waiter is
+/// blocked on its scopes (else refused with that waiter's denial, so it
+/// never takes room a waiter could use); refused for a retryable reason
+/// with `wait_ms > 0`, it waits for room (see `queue.rs`).
+///
+/// `fair_for` queues the waiter as another tenant's for fairness (the
+/// gateway waits on an upstream's scope on behalf of its caller).
 pub(crate) async fn admit(
     state: &AppState,
     catalog: &Catalog,

@@ -238,13 +238,14 @@ impl Wal {
             // wake-up can slip between the check above and this.
             let (tx, rx) = oneshot::channel();
             state.waiters.push((lsn, tx));
-            // A no-op unless the writer sleeps: then this record was
-            // appended unannounced and nothing else woke it.
-            if self.shared.write_every.is_none() {
-                self.shared.writer_cv.notify_one();
-            }
             rx
         };
+        // A no-op unless the writer sleeps: then this record was appended
+        // unannounced and nothing else woke it. (After the lock: a woken
+        // writer must not find it held.)
+        if self.shared.write_every.is_none() {
+            self.shared.writer_cv.notify_one();
+        }
         match rx.await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(cause)) => Err(WalError::Failed { cause }),

@@ -729,8 +729,9 @@ async fn schedule_now(state: &AppState, p: &Prepared) -> Option<(Permit, Reserva
 }
 
 /// [`admit`] without a wait, answered when the ledger has applied the
-/// reserve: the caller awaits the [`Durable`] (with its siblings').
-async fn admit_decided(
+/// reserve: the caller awaits the [`Durable`] (with its siblings', see
+/// [`durable_by`]).
+pub(crate) async fn admit_decided(
     state: &AppState,
     req: &ReserveRequest,
 ) -> Result<Result<(Granted, Durable), StoreError<ReserveError>>, crate::error::ApiError> {
@@ -740,11 +741,27 @@ async fn admit_decided(
     state.call(state.store().reserve_decided(req)).await
 }
 
+/// Waits, under the store timeout, until a decided change is durable
+/// (`None`: nothing to wait for). Reserves made together are awaited
+/// together (`tokio::join!` of these): on the durable store they then share
+/// one group commit, where awaited one by one the second record could miss
+/// the first's batch and queue a second fsync.
+pub(crate) async fn durable_by(state: &AppState, d: Option<Durable>) -> Result<(), GatewayError> {
+    let Some(d) = d else { return Ok(()) };
+    match state.call(Box::pin(d.wait())).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(GatewayError::unavailable(format!(
+            "the ledger's log failed: {e}"
+        ))),
+        Err(_) => Err(GatewayError::unavailable(
+            "the store did not answer in time",
+        )),
+    }
+}
+
 /// Waits until the caller's hold and the first attempt's place upstream
-/// are durable — together, so on the durable store they share one group
-/// commit (awaited one by one, the second reserve's record could miss the
-/// first's batch and queue a second fsync before anything goes upstream).
-/// A hold that never becomes durable answers as an unavailable store.
+/// are durable, together, before anything goes upstream. A hold that never
+/// becomes durable answers as an unavailable store.
 async fn made_durable(
     state: &AppState,
     granted: Result<(Granted, Durable), GatewayError>,
@@ -753,17 +770,6 @@ async fn made_durable(
     Result<Granted, GatewayError>,
     Option<(Permit, ReservationId)>,
 ) {
-    let wait = |d: Durable| async move {
-        match state.call(Box::pin(d.wait())).await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(GatewayError::unavailable(format!(
-                "the ledger's log failed: {e}"
-            ))),
-            Err(_) => Err(GatewayError::unavailable(
-                "the store did not answer in time",
-            )),
-        }
-    };
     let (first, attempt_durable) = match first {
         Some((permit, id, d)) => (Some((permit, id)), Some(d)),
         None => (None, None),
@@ -774,12 +780,10 @@ async fn made_durable(
         // (a refund is logged after the reserve it ends, so neither waits).
         Err(e) => return (Err(e), first),
     };
-    let (tenant_ok, attempt_ok) = tokio::join!(wait(tenant_durable), async {
-        match attempt_durable {
-            Some(d) => wait(d).await,
-            None => Ok(()),
-        }
-    });
+    let (tenant_ok, attempt_ok) = tokio::join!(
+        durable_by(state, Some(tenant_durable)),
+        durable_by(state, attempt_durable)
+    );
     // Not durable: the store fenced itself and rebuilds from what is on
     // disk; a hold it still finds there expires with its TTL, never charged.
     let granted = tenant_ok.map(|()| granted);

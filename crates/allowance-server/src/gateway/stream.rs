@@ -17,13 +17,12 @@ use tokio::sync::mpsc;
 
 use super::answer::{GatewayError, stream_error_event};
 use super::call::{
-    Counting, Lease, Prepared, UPSTREAM_TIMEOUT, copy_headers, count_call, estimated_usage,
-    exact_count, ledger_usage, observe_estimate, refund, settle_whole,
+    Counting, Lease, Prepared, UPSTREAM_TIMEOUT, admit_decided, copy_headers, count_call,
+    durable_by, estimated_usage, exact_count, ledger_usage, observe_estimate, refund, settle_whole,
 };
 use super::sse::Splitter;
 use super::upstream::Permit;
 use crate::AppState;
-use crate::routes::admit;
 
 /// Events in flight between the upstream reader and the client's body:
 /// small, so a slow client slows the reader (and the provider) instead of
@@ -361,21 +360,32 @@ fn start_swap(
         .set(Dimension::OUTPUT_TOKENS, held_output);
     tenant_req.report_remaining = false;
     let attempt_req = has_attempt.then(|| p.attempt_req.clone());
-    let (state, catalog, tenant) = (state.clone(), p.catalog.clone(), p.tenant.clone());
+    let state = state.clone();
     Some(Box::pin(async move {
+        // Both decided, then made durable together: one group commit.
         let attempt = async {
             match &attempt_req {
-                Some(req) => Some(admit(&state, &catalog, req, 0, 0, Some(&tenant)).await),
+                Some(req) => admit_decided(&state, req).await.ok()?.ok(),
                 None => None,
             }
         };
-        let (tenant, attempt) =
-            tokio::join!(admit(&state, &catalog, &tenant_req, 0, 0, None), attempt);
-        let granted = |r: Result<Result<allowance_core::Granted, _>, _>| match r {
-            Ok(Ok(g)) => Some(g.id),
-            _ => None,
+        let (tenant, attempt) = tokio::join!(admit_decided(&state, &tenant_req), attempt);
+        let split = |r: Option<(allowance_core::Granted, allowance_core::Durable)>| match r {
+            Some((g, d)) => (Some(g.id), Some(d)),
+            None => (None, None),
         };
-        (granted(tenant), attempt.and_then(granted))
+        let (tenant_id, tenant_durable) = split(tenant.ok().and_then(Result::ok));
+        let (attempt_id, attempt_durable) = split(attempt);
+        let (tenant_ok, attempt_ok) = tokio::join!(
+            durable_by(&state, tenant_durable),
+            durable_by(&state, attempt_durable)
+        );
+        // A hold that never became durable is no swap: the store fenced
+        // itself and rebuilds from disk, and the bound's hold stays.
+        (
+            tenant_id.filter(|_| tenant_ok.is_ok()),
+            attempt_id.filter(|_| attempt_ok.is_ok()),
+        )
     }))
 }
 
