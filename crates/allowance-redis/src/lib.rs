@@ -60,7 +60,7 @@ use allowance_core::{
 };
 use async_trait::async_trait;
 use parking_lot::RwLock;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 
 pub use allowance_core::Adjustment;
 
@@ -181,7 +181,8 @@ pub struct RedisStore {
     cluster: bool,
     /// Where the master is found again after a failover (Sentinel only).
     sentinel: Option<SentinelSource>,
-    manager_config: ConnectionManagerConfig,
+    /// How a Sentinel-named master is connected to (timeouts).
+    direct: redis::AsyncConnectionConfig,
     /// When this instance last asked the sentinels (ms since the epoch).
     resolved_at_ms: std::sync::atomic::AtomicU64,
     /// The URL connected to (for the room-freed subscription).
@@ -206,6 +207,13 @@ const RECENT_RECORDS: usize = 65_536;
 #[derive(Clone)]
 enum Conn {
     Single(ConnectionManager),
+    /// Through Sentinel: a connection that never reconnects by itself. A
+    /// ConnectionManager would dial the old master's address again after a
+    /// failover, and whatever answers there (the old master restarted empty,
+    /// or another server given the port) would take writes the promoted
+    /// replica never sees. Once this one breaks, only the sentinels say where
+    /// to go (`after_failure`), and redis-rs checks the ROLE of what they name.
+    Sentinel(MultiplexedConnection),
     Cluster(redis::cluster_async::ClusterConnection),
 }
 
@@ -216,6 +224,7 @@ impl redis::aio::ConnectionLike for Conn {
     ) -> redis::RedisFuture<'a, redis::Value> {
         match self {
             Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Sentinel(c) => c.req_packed_command(cmd),
             Conn::Cluster(c) => c.req_packed_command(cmd),
         }
     }
@@ -228,6 +237,7 @@ impl redis::aio::ConnectionLike for Conn {
     ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
         match self {
             Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Sentinel(c) => c.req_packed_commands(pipeline, offset, count),
             Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
         }
     }
@@ -235,6 +245,7 @@ impl redis::aio::ConnectionLike for Conn {
     fn get_db(&self) -> i64 {
         match self {
             Conn::Single(c) => c.get_db(),
+            Conn::Sentinel(c) => c.get_db(),
             Conn::Cluster(c) => c.get_db(),
         }
     }
@@ -351,49 +362,63 @@ impl RedisStore {
             None => redis::Client::open(options.url.as_str())
                 .map_err(|e| ConnectError::Url(e.to_string()))?,
         };
-        let config = ConnectionManagerConfig::new()
+        let direct = redis::AsyncConnectionConfig::new()
             .set_connection_timeout(Some(timeout))
-            .set_response_timeout(Some(timeout))
-            .set_number_of_retries(1)
-            .set_min_delay(Duration::from_millis(5))
-            .set_max_delay(Duration::from_millis(50));
-        let single = tokio::time::timeout(
-            timeout,
-            ConnectionManager::new_with_config(client, config.clone()),
-        )
-        .await
-        .map_err(|_| unreachable(format!("no answer within {} ms", timeout.as_millis())))?
-        .map_err(|e| unreachable(e.to_string()))?;
-        // A cluster node says so; the cluster client then finds the others.
-        let info: String = tokio::time::timeout(
-            timeout,
-            redis::cmd("INFO")
-                .arg("cluster")
-                .query_async(&mut single.clone()),
-        )
-        .await
-        .map_err(|_| unreachable(format!("no answer within {} ms", timeout.as_millis())))?
-        .map_err(|e| unreachable(e.to_string()))?;
-        let cluster = info.lines().any(|l| l.trim() == "cluster_enabled:1");
-        let conn = if cluster {
-            let client = redis::cluster::ClusterClient::builder(vec![options.url.as_str()])
-                .connection_timeout(timeout)
-                .response_timeout(timeout)
-                .build()
-                .map_err(|e| ConnectError::Url(e.to_string()))?;
-            let c = tokio::time::timeout(timeout * 5, client.get_async_connection())
-                .await
-                .map_err(|_| unreachable("the cluster did not answer in time".into()))?
-                .map_err(|e| unreachable(e.to_string()))?;
-            Conn::Cluster(c)
+            .set_response_timeout(Some(timeout));
+        let no_answer = || unreachable(format!("no answer within {} ms", timeout.as_millis()));
+        let conn = if sentinel.is_some() {
+            // A master Sentinel names is never a cluster node.
+            let c = tokio::time::timeout(
+                timeout,
+                client.get_multiplexed_async_connection_with_config(&direct),
+            )
+            .await
+            .map_err(|_| no_answer())?
+            .map_err(|e| unreachable(e.to_string()))?;
+            Conn::Sentinel(c)
         } else {
-            Conn::Single(single)
+            let config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(timeout))
+                .set_response_timeout(Some(timeout))
+                .set_number_of_retries(1)
+                .set_min_delay(Duration::from_millis(5))
+                .set_max_delay(Duration::from_millis(50));
+            let single =
+                tokio::time::timeout(timeout, ConnectionManager::new_with_config(client, config))
+                    .await
+                    .map_err(|_| no_answer())?
+                    .map_err(|e| unreachable(e.to_string()))?;
+            // A cluster node says so; the cluster client then finds the others.
+            let info: String = tokio::time::timeout(
+                timeout,
+                redis::cmd("INFO")
+                    .arg("cluster")
+                    .query_async(&mut single.clone()),
+            )
+            .await
+            .map_err(|_| no_answer())?
+            .map_err(|e| unreachable(e.to_string()))?;
+            if info.lines().any(|l| l.trim() == "cluster_enabled:1") {
+                let client = redis::cluster::ClusterClient::builder(vec![options.url.as_str()])
+                    .connection_timeout(timeout)
+                    .response_timeout(timeout)
+                    .build()
+                    .map_err(|e| ConnectError::Url(e.to_string()))?;
+                let c = tokio::time::timeout(timeout * 5, client.get_async_connection())
+                    .await
+                    .map_err(|_| unreachable("the cluster did not answer in time".into()))?
+                    .map_err(|e| unreachable(e.to_string()))?;
+                Conn::Cluster(c)
+            } else {
+                Conn::Single(single)
+            }
         };
+        let cluster = matches!(conn, Conn::Cluster(_));
         let store = RedisStore {
             conn: parking_lot::RwLock::new(conn),
             cluster,
             sentinel,
-            manager_config: config,
+            direct,
             resolved_at_ms: std::sync::atomic::AtomicU64::new(wall_ms()),
             url: options.url.clone(),
             ledger: LedgerFunction::new(),
@@ -429,6 +454,7 @@ impl RedisStore {
                 || e.is_connection_dropped()
                 || e.is_connection_refusal()
                 || e.is_timeout()
+                || e.is_unrecoverable_error()
                 || e.code() == Some("READONLY")
         });
         let now = wall_ms();
@@ -451,13 +477,14 @@ impl RedisStore {
         }
         let switched = async {
             let client = source.master().await.map_err(|e| e.to_string())?;
-            ConnectionManager::new_with_config(client, self.manager_config.clone())
+            client
+                .get_multiplexed_async_connection_with_config(&self.direct)
                 .await
                 .map_err(|e| e.to_string())
         };
         match tokio::time::timeout(self.timeout * 2, switched).await {
             Ok(Ok(manager)) => {
-                *self.conn.write() = Conn::Single(manager);
+                *self.conn.write() = Conn::Sentinel(manager);
                 tracing::warn!("redis: connected to the master the sentinels name now");
             }
             Ok(Err(why)) => {
@@ -608,45 +635,54 @@ impl RedisStore {
     async fn call(&self, key_base: &str, req: &Req<'_>) -> Result<Reply, Unavailable> {
         let body = rmp_serde::to_vec_named(req).map_err(unavailable)?;
         let mut conn = self.conn();
-        let raw: Vec<u8> =
-            match tokio::time::timeout(self.timeout, self.ledger.call(&mut conn, key_base, &body))
-                .await
-            {
-                Ok(Ok(raw)) => raw,
-                Ok(Err(e)) => {
-                    tracing::warn!(error = %e, op = req.op, "redis call failed");
-                    self.after_failure(Some(&e)).await;
-                    return Err(unavailable(e));
-                }
-                Err(_) => {
-                    self.after_failure(None).await;
-                    return Err(Unavailable(format!(
-                        "redis did not answer within {} ms",
-                        self.timeout.as_millis()
-                    )));
-                }
-            };
+        let raw: Vec<u8> = self
+            .bounded(req.op, self.ledger.call(&mut conn, key_base, &body))
+            .await?;
         rmp_serde::from_slice(&raw).map_err(|e| {
             tracing::error!(error = %e, op = req.op, "unreadable answer from the ledger script");
             Unavailable(format!("an unreadable answer from the ledger script: {e}"))
         })
     }
 
+    /// `request`'s answer within the timeout. Every failure goes through
+    /// [`RedisStore::after_failure`], so that through Sentinel a broken
+    /// connection is replaced whichever request found it broken.
+    async fn bounded<T>(
+        &self,
+        what: &str,
+        request: impl std::future::Future<Output = redis::RedisResult<T>>,
+    ) -> Result<T, Unavailable> {
+        match tokio::time::timeout(self.timeout, request).await {
+            Ok(Ok(answer)) => Ok(answer),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, op = what, "redis call failed");
+                self.after_failure(Some(&e)).await;
+                Err(unavailable(e))
+            }
+            Err(_) => {
+                self.after_failure(None).await;
+                Err(Unavailable(format!(
+                    "redis did not answer within {} ms",
+                    self.timeout.as_millis()
+                )))
+            }
+        }
+    }
+
     /// Applies the admin changes made since this instance last looked.
     async fn catch_up(&self) -> Result<(), Unavailable> {
         let (catalog, version) = self.snapshot();
         let mut conn = self.conn();
-        let changes: Vec<String> = tokio::time::timeout(
-            self.timeout,
-            redis::cmd("LRANGE")
-                .arg(self.catalog_key())
-                .arg(version)
-                .arg(-1)
-                .query_async(&mut conn),
-        )
-        .await
-        .map_err(|_| Unavailable("redis did not answer in time".into()))?
-        .map_err(unavailable)?;
+        let changes: Vec<String> = self
+            .bounded(
+                "catalog",
+                redis::cmd("LRANGE")
+                    .arg(self.catalog_key())
+                    .arg(version)
+                    .arg(-1)
+                    .query_async(&mut conn),
+            )
+            .await?;
         if changes.is_empty() {
             return Ok(());
         }
@@ -895,10 +931,13 @@ impl RedisStore {
             let mut conn = self.conn();
             async move { cmd.query_async::<T>(&mut conn).await }
         });
-        let all = tokio::time::timeout(self.timeout, futures_util::future::join_all(calls))
-            .await
-            .map_err(|_| Unavailable("redis did not answer in time".into()))?;
-        all.into_iter().map(|r| r.map_err(unavailable)).collect()
+        let all = async {
+            futures_util::future::join_all(calls)
+                .await
+                .into_iter()
+                .collect::<redis::RedisResult<Vec<T>>>()
+        };
+        self.bounded("read", all).await
     }
 
     /// The groups (by tag) whose sorted sets `sets` hold something due by
@@ -977,10 +1016,8 @@ impl RedisStore {
         r.n = Some(n as u64);
         let body = rmp_serde::to_vec_named(&r).map_err(unavailable)?;
         let mut conn = self.conn();
-        tokio::time::timeout(self.timeout, self.ledger.call(&mut conn, &base, &body))
+        self.bounded("usage", self.ledger.call(&mut conn, &base, &body))
             .await
-            .map_err(|_| Unavailable("redis did not answer in time".into()))?
-            .map_err(unavailable)
     }
 }
 
