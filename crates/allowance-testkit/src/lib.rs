@@ -5,7 +5,10 @@
 //! (in particular never the one on `127.0.0.1:6379`): every [`RedisServer`]
 //! is a child process of the test, listening on a free port of `127.0.0.1`,
 //! with its own temporary directory, and is killed (`SIGKILL`, then reaped)
-//! and its directory removed when it is dropped.
+//! and its directory removed when it is dropped. Ports are picked below the
+//! kernel's ephemeral range and kept for their server until it is dropped,
+//! so a server killed to be restarted gets its own port back, and no other
+//! server is found there meanwhile.
 //!
 //! Everything here is blocking `std` code (processes, `std::net::TcpStream`),
 //! callable from sync tests and from async tests alike. Unix only: stopping
@@ -352,6 +355,7 @@ impl RedisServer {
             match server.launch() {
                 Ok(()) => return server,
                 Err(LaunchError::PortBusy(log)) => {
+                    release_port(server.port, server.opts.cluster_enabled());
                     last_error = log;
                     // Whatever the failed attempt left (a nodes.conf naming the old port…) goes.
                     if attempt < START_ATTEMPTS {
@@ -686,6 +690,7 @@ impl Drop for RedisServer {
     /// `SIGKILL`s and reaps the process; the directory is removed afterwards.
     fn drop(&mut self) {
         self.kill9();
+        release_port(self.port, self.opts.cluster_enabled());
     }
 }
 
@@ -702,20 +707,99 @@ fn port_is_free(port: u16) -> bool {
     TcpListener::bind((HOST, port)).is_ok()
 }
 
-/// A port of `127.0.0.1` that was free a moment ago (the kernel's pick for port 0).
+/// Ports handed out by [`free_port`] whose server is alive, up or down: a
+/// killed server gets its port back at restart, so no other server of this
+/// process may take it meanwhile. (One did in CI: a test's store reached
+/// another test's fresh server on the port of its killed master.)
+static HELD_PORTS: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+/// Where [`free_port`] starts looking: below it sit the well-known ports.
+const LOWEST_PORT: u16 = 10_000;
+
+/// A port of `127.0.0.1` that was free a moment ago, held for its server
+/// until [`release_port`].
+///
+/// Picked at random below the kernel's ephemeral range
+/// (`/proc/sys/net/ipv4/ip_local_port_range`), where no `bind(0)` and no
+/// outgoing connection of any process lands on it while its server is down
+/// for a restart; from the kernel (port 0) when that range leaves no room.
 ///
 /// With `cluster_bus`, the port is at most 55000 and port + 10000 was free too.
 fn free_port(cluster_bus: bool) -> u16 {
-    for _ in 0..10_000 {
-        let port = TcpListener::bind((HOST, 0))
+    let mut held = HELD_PORTS.lock().unwrap_or_else(|e| e.into_inner());
+    let ephemeral_start = fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    // The bus port (+10000) stays below the ephemeral range too.
+    let top = match cluster_bus {
+        true => ephemeral_start.saturating_sub(CLUSTER_BUS_OFFSET),
+        false => ephemeral_start,
+    };
+    let mut x = random_seed();
+    let below_ephemeral = (0..1_000)
+        .take_while(|_| top > LOWEST_PORT + 1_000)
+        .map(|_| {
+            // xorshift64: enough to spread concurrent test binaries apart.
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            LOWEST_PORT + (x % u64::from(top - LOWEST_PORT)) as u16
+        });
+    let from_kernel = (0..10_000).map(|_| {
+        TcpListener::bind((HOST, 0))
             .and_then(|listener| listener.local_addr())
             .unwrap_or_else(|e| panic!("cannot bind 127.0.0.1:0: {e}"))
-            .port();
-        if !cluster_bus || (port <= MAX_CLUSTER_PORT && port_is_free(port + CLUSTER_BUS_OFFSET)) {
-            return port;
-        }
+            .port()
+    });
+    pick_port(below_ephemeral.chain(from_kernel), cluster_bus, &mut held).unwrap_or_else(|| {
+        panic!("found no free port pair P, P+{CLUSTER_BUS_OFFSET} with P <= {MAX_CLUSTER_PORT}")
+    })
+}
+
+/// The first of `candidates` that is free and not `held` (with its bus
+/// port, for a cluster node), now held.
+fn pick_port(
+    candidates: impl Iterator<Item = u16>,
+    cluster_bus: bool,
+    held: &mut std::collections::BTreeSet<u16>,
+) -> Option<u16> {
+    let port = candidates
+        .filter(|port| !held.contains(port) && port_is_free(*port))
+        .find(|&port| {
+            !cluster_bus
+                || (port <= MAX_CLUSTER_PORT
+                    && !held.contains(&(port + CLUSTER_BUS_OFFSET))
+                    && port_is_free(port + CLUSTER_BUS_OFFSET))
+        })?;
+    held.insert(port);
+    if cluster_bus {
+        held.insert(port + CLUSTER_BUS_OFFSET);
     }
-    panic!("found no free port pair P, P+{CLUSTER_BUS_OFFSET} with P <= {MAX_CLUSTER_PORT}");
+    Some(port)
+}
+
+/// Gives back a port from [`free_port`] (its server is gone for good).
+fn release_port(port: u16, cluster_bus: bool) {
+    let mut held = HELD_PORTS.lock().unwrap_or_else(|e| e.into_inner());
+    held.remove(&port);
+    if cluster_bus {
+        held.remove(&(port + CLUSTER_BUS_OFFSET));
+    }
+}
+
+/// A seed that differs between processes and calls.
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.write_u32(std::process::id());
+    h.finish() | 1
 }
 
 /// A Redis Cluster of masters only (no replicas), each a [`RedisServer`], all slots assigned.
@@ -1173,6 +1257,7 @@ impl Drop for RedisSentinel {
     /// `SIGKILL`s and reaps the process; the directory is removed afterwards.
     fn drop(&mut self) {
         self.kill9();
+        release_port(self.port, false);
     }
 }
 
@@ -1223,6 +1308,46 @@ mod tests {
             parse(b"-ERR nope\r\n").unwrap(),
             Reply::Error("ERR nope".into())
         );
+    }
+
+    #[test]
+    fn a_held_port_is_never_picked_again() {
+        // Two ports the kernel says are free, the first held (a killed
+        // server waiting for its restart): the pick skips it, and holds
+        // what it picks.
+        let free = || {
+            TcpListener::bind((HOST, 0))
+                .and_then(|l| l.local_addr())
+                .unwrap()
+                .port()
+        };
+        let (a, b) = (free(), free());
+        let mut held = std::collections::BTreeSet::from([a]);
+        assert_eq!(pick_port([a, b].into_iter(), false, &mut held), Some(b));
+        assert!(held.contains(&b));
+        assert_eq!(pick_port([a, b].into_iter(), false, &mut held), None);
+        // A port in use is skipped too.
+        let busy = TcpListener::bind((HOST, 0)).unwrap();
+        let busy_port = busy.local_addr().unwrap().port();
+        let c = free();
+        let mut none_held = std::collections::BTreeSet::new();
+        assert_eq!(
+            pick_port([busy_port, c].into_iter(), false, &mut none_held),
+            Some(c)
+        );
+    }
+
+    #[test]
+    fn ports_are_picked_below_the_ephemeral_range() {
+        let start: u16 = fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|r| r.split_whitespace().next()?.parse().ok())
+            .unwrap_or(32_768);
+        let port = free_port(false);
+        release_port(port, false);
+        if start > LOWEST_PORT + 1_000 {
+            assert!((LOWEST_PORT..start).contains(&port), "{port}");
+        }
     }
 
     #[test]
