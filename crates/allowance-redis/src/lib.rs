@@ -483,8 +483,8 @@ impl RedisStore {
                 .map_err(|e| e.to_string())
         };
         match tokio::time::timeout(self.timeout * 2, switched).await {
-            Ok(Ok(manager)) => {
-                *self.conn.write() = Conn::Sentinel(manager);
+            Ok(Ok(connection)) => {
+                *self.conn.write() = Conn::Sentinel(connection);
                 tracing::warn!("redis: connected to the master the sentinels name now");
             }
             Ok(Err(why)) => {
