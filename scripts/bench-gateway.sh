@@ -19,6 +19,7 @@
 #   TOKENIZER=1 scripts/bench-gateway.sh           # also cargo bench -p allowance-estimate
 #   BUILD=0 scripts/bench-gateway.sh               # use the release binaries as they are
 #   PERF=1 LITELLM=0 scripts/bench-gateway.sh      # also profile the in-memory gateway (perf)
+#   BIN=/path/to/allowance scripts/bench-gateway.sh # measure another build (no cargo build)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,9 +35,15 @@ KEY=sk-allowance-bench-key
 VENV=target/bench-venv
 BUILD=${BUILD:-1}
 
+# BIN (the gateway and the bench client) and STUB may name other builds,
+# e.g. a copy kept to compare against; then nothing is built.
+[ -n "${BIN:-}${STUB:-}" ] && BUILD=0
 [ "$BUILD" = 1 ] && cargo build --release -p allowance-cli -p allowance-stub >&2
-BIN=target/release/allowance
-STUB=target/release/allowance-stub
+BIN=${BIN:-target/release/allowance}
+STUB=${STUB:-target/release/allowance-stub}
+for b in "$BIN" "$STUB"; do
+  [ -x "$b" ] || { echo "no executable at $b (build it, or drop BUILD=0)" >&2; exit 1; }
+done
 out=$(mktemp -d "${TMPDIR:-/tmp}/allowance-gw-bench.XXXXXX")
 pids=()
 cleanup() {
