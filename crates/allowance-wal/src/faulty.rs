@@ -54,6 +54,11 @@ struct FaultState {
     free_bytes: Option<u64>,
     sync_delay: Duration,
     crashed: bool,
+    /// Power losses so far. A file opened before the last one belongs to
+    /// a process the power loss killed: it fails for good, even after
+    /// [`FaultyFs::recover`] (a thread of the old store still finishing,
+    /// say a snapshot, must not write through it into the recovered disk).
+    crashes: u64,
     /// What each file (by id) has durably; ids follow renames, as inodes do.
     tracks: HashMap<u64, Track>,
     /// The file id behind each path written through us.
@@ -126,10 +131,12 @@ impl FaultyFs {
     /// back to what was fsynced plus at most `keep_unsynced_bytes` of what
     /// was not (a torn write), ranges a failed fsync gave up on read back
     /// as zeros, and every operation fails with `EIO` until
-    /// [`recover`](FaultyFs::recover). Drop the `Wal` after this, then recover.
+    /// [`recover`](FaultyFs::recover) — on files opened before the crash,
+    /// for good. Drop the `Wal` after this, then recover.
     pub fn crash(&self, keep_unsynced_bytes: u64) -> io::Result<()> {
         let mut state = self.inner.state.lock();
         state.crashed = true;
+        state.crashes += 1;
         state.fail_write_at = None;
         state.fail_sync_at = None;
         state.short_write_at = None;
@@ -210,12 +217,21 @@ struct FaultyFile {
     inner: Box<dyn WalFile>,
     fs: FaultyFs,
     id: u64,
+    /// [`FaultState::crashes`] when it was opened.
+    opened_after: u64,
+}
+
+impl FaultState {
+    /// Whether a file opened after `opened_after` power losses is dead.
+    fn is_dead(&self, opened_after: u64) -> bool {
+        self.crashed || self.crashes != opened_after
+    }
 }
 
 impl WalFile for FaultyFile {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         let mut state = self.fs.inner.state.lock();
-        if state.crashed {
+        if state.is_dead(self.opened_after) {
             return Err(os_error(EIO));
         }
         state.stats.writes += 1;
@@ -246,7 +262,7 @@ impl WalFile for FaultyFile {
     fn sync_data(&mut self) -> io::Result<()> {
         let delay = {
             let mut state = self.fs.inner.state.lock();
-            if state.crashed {
+            if state.is_dead(self.opened_after) {
                 return Err(os_error(EIO));
             }
             state.stats.syncs += 1;
@@ -269,7 +285,7 @@ impl WalFile for FaultyFile {
         let len = self.inner.size()?;
         let mut state = self.fs.inner.state.lock();
         // A crash while the fsync ran: it never completed.
-        if state.crashed {
+        if state.is_dead(self.opened_after) {
             return Err(os_error(EIO));
         }
         state.tracks.entry(self.id).or_default().synced_len = len;
@@ -277,7 +293,9 @@ impl WalFile for FaultyFile {
     }
 
     fn set_len(&mut self, len: u64) -> io::Result<()> {
-        self.fs.check_alive()?;
+        if self.fs.inner.state.lock().is_dead(self.opened_after) {
+            return Err(os_error(EIO));
+        }
         self.inner.set_len(len)?;
         let mut state = self.fs.inner.state.lock();
         let track = state.tracks.entry(self.id).or_default();
@@ -323,6 +341,7 @@ impl FileSystem for FaultyFs {
             inner,
             fs: self.clone(),
             id,
+            opened_after: self.inner.state.lock().crashes,
         }))
     }
 
@@ -334,6 +353,7 @@ impl FileSystem for FaultyFs {
             inner,
             fs: self.clone(),
             id,
+            opened_after: self.inner.state.lock().crashes,
         }))
     }
 
