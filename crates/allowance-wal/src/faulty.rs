@@ -27,7 +27,8 @@ const EIO: i32 = 5;
 ///   write fails with `ENOSPC` (the write that crosses the line is short).
 /// - [`crash`](FaultyFs::crash): a power loss — every file loses what was
 ///   never fsynced (but a chosen number of bytes: a torn write), and every
-///   operation fails until [`recover`](FaultyFs::recover).
+///   operation fails until [`recover`](FaultyFs::recover) — through a file
+///   opened before the crash, for good (its process died with the power).
 ///
 /// Like Linux, a failed fsync does not keep the data for a later one: the
 /// bytes it should have made durable are lost at the next crash even if a
