@@ -713,6 +713,91 @@ fn torn_tail_corruption_and_a_second_process() {
     });
 }
 
+/// The store opens its log checking only the last segment and lets the
+/// replay check the rest: damage in a finished segment still stops
+/// start-up, naming the file and offset, and changes nothing on disk.
+#[test]
+fn damage_in_a_finished_segment_stops_start_up() {
+    let rt = runtime();
+    rt.block_on(async {
+        let (dir, clock, ids, fs) = setup(10);
+        let catalog = catalogs::standard();
+        let open = || {
+            let mut opts = DurableOptions::new(dir.path());
+            opts.shards = 4;
+            opts.snapshot_every_records = u64::MAX;
+            opts.wal.fsync = Fsync::Always;
+            // A few records a segment: 60 records fill several.
+            opts.wal.segment_bytes = 1024;
+            DurableStore::open(
+                catalogs::standard(),
+                opts,
+                fs.clone(),
+                clock.clone(),
+                ids.clone(),
+                |_| {},
+            )
+        };
+        let (store, _) = open().await.expect("open");
+        // Each reserve settled, so the tenants' concurrency limits never bite.
+        let mut granted = Vec::new();
+        for i in 0..30u64 {
+            let req = tenant_only(&catalog, i, 10 + i);
+            let id = store.reserve(&req).await.expect("reserve").id;
+            let usage = Usage {
+                amounts: Amounts::new().with(Dimension::TOKENS, i),
+                ..Usage::default()
+            };
+            store.settle(id, &usage).await.expect("settle");
+            granted.push(id);
+        }
+        store.close().await.expect("close");
+        let mut segments: Vec<_> = std::fs::read_dir(dir.path())
+            .expect("read dir")
+            .map(|e| e.expect("entry").path())
+            .filter(|p| p.extension().is_some_and(|e| e == "wal"))
+            .collect();
+        segments.sort();
+        assert!(segments.len() >= 3, "{segments:?}");
+
+        // Undamaged, every reservation comes back.
+        let (store, report) = open().await.expect("reopen");
+        assert_eq!(
+            report.replayed, 61,
+            "the configuration record, 30 reserves and settles"
+        );
+        for id in &granted {
+            let r = store.get(*id).await.expect("get").expect("kept");
+            assert_eq!(r.status, Status::Settled, "{r:?}");
+        }
+        store.close().await.expect("close");
+
+        // A flipped byte in the second segment, which is finished.
+        let damaged = &segments[1];
+        let mut bytes = std::fs::read(damaged).expect("read");
+        let at = bytes.len() / 2;
+        bytes[at] ^= 0x40;
+        std::fs::write(damaged, &bytes).expect("damage");
+        let before: Vec<Vec<u8>> = segments
+            .iter()
+            .map(|p| std::fs::read(p).expect("read"))
+            .collect();
+        let err = open().await.expect_err("damage stops start-up");
+        let message = err.to_string();
+        assert!(
+            message.contains(&damaged.display().to_string())
+                && message.contains("byte ")
+                && message.contains("not the last one: damage, not a torn write"),
+            "the message names the file, the offset and why: {message}"
+        );
+        let after: Vec<Vec<u8>> = segments
+            .iter()
+            .map(|p| std::fs::read(p).expect("read"))
+            .collect();
+        assert!(before == after, "a failed start-up changed the log");
+    });
+}
+
 /// Admin changes survive restarts and win over the configuration file; the
 /// rest of an edited file takes effect.
 #[test]

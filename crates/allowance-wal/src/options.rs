@@ -59,6 +59,16 @@ pub struct WalOptions {
     /// a sync is asked for). For a log nobody waits on in a request's path
     /// (a derived log): far fewer wake-ups and fsyncs, each a bigger batch.
     pub write_every: Option<Duration>,
+    /// `false` (default): open reads and checks every segment. `true`: open
+    /// checks only the last segment (where a torn tail can be) and the
+    /// segments' names; the finished segments are checked by the replays
+    /// that read them, with the same errors open would give. For a caller
+    /// that replays the whole log right after opening — recovery — this
+    /// reads and checks the log once instead of twice. A finished segment
+    /// no replay reads (all its records under the snapshot the caller
+    /// starts from) is then never checked, and [`Recovered::records`]
+    /// counts the finished segments' records from their names.
+    pub defer_sealed_checks: bool,
 }
 
 impl WalOptions {
@@ -70,6 +80,7 @@ impl WalOptions {
             segment_bytes: DEFAULT_SEGMENT_BYTES,
             max_pending_bytes: DEFAULT_MAX_PENDING_BYTES,
             write_every: None,
+            defer_sealed_checks: false,
         }
     }
 

@@ -7,6 +7,10 @@
 //! after it — is damage: open fails naming the file and the byte offset,
 //! and drops nothing. A checksum-valid record with an unexpected lsn, or a
 //! gap between segments, is damage too.
+//!
+//! With [`WalOptions::defer_sealed_checks`] the finished segments are not
+//! read here: the replay that reads them makes the same checks
+//! ([`Wal::replay_with_progress`](crate::Wal::replay_with_progress)).
 
 use std::any::Any;
 use std::io;
@@ -120,7 +124,7 @@ pub(crate) fn open_dir(opts: &WalOptions, fs: &dyn FileSystem) -> Result<Opened,
     let snapshot_lsn = snapshots.last().copied();
     let base = snapshot_lsn.unwrap_or(0);
 
-    let scan = scan_segments(fs, &segments, base)?;
+    let scan = scan_segments(fs, &segments, base, opts.defer_sealed_checks)?;
     let log_last = scan.next_lsn - 1;
     let last_lsn = log_last.max(base);
     if base > log_last && !segments.is_empty() {
@@ -242,7 +246,15 @@ struct Scan {
     torn_tail: Option<TornTail>,
 }
 
-fn scan_segments(fs: &dyn FileSystem, segments: &[Segment], base: Lsn) -> Result<Scan, WalError> {
+/// Reads and checks every segment, or with `defer_sealed` only the last
+/// one, trusting the finished segments' names for where each one ends
+/// (the replay that reads them checks it).
+fn scan_segments(
+    fs: &dyn FileSystem,
+    segments: &[Segment],
+    base: Lsn,
+    defer_sealed: bool,
+) -> Result<Scan, WalError> {
     let mut scan = Scan {
         next_lsn: base + 1,
         records: 0,
@@ -274,22 +286,26 @@ fn scan_segments(fs: &dyn FileSystem, segments: &[Segment], base: Lsn) -> Result
                 ),
             ));
         }
+        let is_last = i + 1 == segments.len();
+        if defer_sealed && !is_last {
+            // Sorted by name, so the next segment starts no earlier.
+            let next_first = segments[i + 1].first_lsn;
+            scan.records += next_first - first;
+            scan.next_lsn = next_first;
+            continue;
+        }
         if i > 0 && first != scan.next_lsn {
-            return Err(WalError::corrupt(
+            return Err(segment_gap(
                 path,
-                0,
-                format!(
-                    "the segment starts at lsn {first} but the previous segment ({}) ends at lsn {}",
-                    segments[i - 1].path.display(),
-                    scan.next_lsn - 1
-                ),
+                first,
+                &segments[i - 1].path,
+                scan.next_lsn - 1,
             ));
         }
         let data = fs
             .read(path)
             .map_err(|e| WalError::io("read segment", path, e))?;
         check_segment_header(&data).map_err(|what| WalError::corrupt(path, 0, what))?;
-        let is_last = i + 1 == segments.len();
         let mut at = SEGMENT_HEADER_BYTES as usize;
         let mut expect = first;
         while at < data.len() {
@@ -330,11 +346,7 @@ fn torn_or_damage(
     bad: BadRecord,
 ) -> Result<TornTail, WalError> {
     if !is_last {
-        return Err(WalError::corrupt(
-            path,
-            at as u64,
-            format!("{bad} (in a segment that is not the last one: damage, not a torn write)"),
-        ));
+        return Err(sealed_damage(path, at, &bad));
     }
     if let Some((later_at, later_lsn)) = format::valid_record_after(data, at, expect) {
         return Err(WalError::corrupt(
@@ -351,4 +363,32 @@ fn torn_or_damage(
         bytes_dropped: (data.len() - at) as u64,
         reason: bad.to_string(),
     })
+}
+
+/// A bad record in a finished segment: never a torn tail, since nothing is
+/// written to a segment after it is finished and synced.
+pub(crate) fn sealed_damage(path: &Path, at: usize, bad: &BadRecord) -> WalError {
+    WalError::corrupt(
+        path,
+        at as u64,
+        format!("{bad} (in a segment that is not the last one: damage, not a torn write)"),
+    )
+}
+
+/// The error for a segment that does not start where the previous one
+/// ended: a missing segment, or one cut short.
+pub(crate) fn segment_gap(
+    path: &Path,
+    first: Lsn,
+    previous: &Path,
+    previous_last: Lsn,
+) -> WalError {
+    WalError::corrupt(
+        path,
+        0,
+        format!(
+            "the segment starts at lsn {first} but the previous segment ({}) ends at lsn {previous_last}",
+            previous.display()
+        ),
+    )
 }

@@ -111,7 +111,9 @@ impl Wal {
     /// holder's pid), scans every segment, cuts a torn tail off the last one
     /// (reported in [`Recovered::torn_tail`]) and fails with
     /// [`WalError::Corrupt`] — file, byte offset, what is wrong — on damage
-    /// anywhere else. Then it starts the writer thread.
+    /// anywhere else (with [`WalOptions::defer_sealed_checks`], damage in a
+    /// finished segment is reported by the replay that reads it instead).
+    /// Then it starts the writer thread.
     pub fn open(opts: WalOptions, fs: Arc<dyn FileSystem>) -> Result<(Wal, Recovered), WalError> {
         opts.validate()?;
         let opened = recover::open_dir(&opts, fs.as_ref())?;
@@ -268,7 +270,11 @@ impl Wal {
 
     /// Replays every record with an lsn above `after` that has been
     /// written (appends not yet written by the writer are not included),
-    /// re-reading and re-checking the segments; `progress` is called every
+    /// re-reading and re-checking the segments it reads as open does (each
+    /// record's checksum and lsn, each segment starting where the previous
+    /// one ended), so it fails with [`WalError::Corrupt`] where open would
+    /// have, had damage come after open or open deferred the check
+    /// ([`WalOptions::defer_sealed_checks`]); `progress` is called every
     /// 65,536 records and at the end. A record `f` refuses stops the replay
     /// with [`WalError::Replay`]. Records a snapshot removed cannot be
     /// replayed: [`WalError::Compacted`]. Meant for recovery, before
@@ -297,18 +303,30 @@ impl Wal {
         let mut replayed = 0u64;
         let mut next = first;
         let mut end = (PathBuf::new(), 0u64);
+        // The segment read before this one, if any: where this one must
+        // start (checked here too, for a log opened with
+        // `defer_sealed_checks`, whose open did not).
+        let mut previous: Option<&Path> = None;
         for (i, segment) in segments.iter().enumerate() {
             if next > upto {
                 break;
             }
-            if segments
-                .get(i + 1)
-                .is_some_and(|s| s.first_lsn <= after + 1)
-            {
+            let following = segments.get(i + 1).map(|s| s.first_lsn);
+            if following.is_some_and(|f| f <= after + 1) {
                 next = segments[i + 1].first_lsn;
                 continue;
             }
             let path = &segment.path;
+            if let Some(previous) = previous
+                && segment.first_lsn != next
+            {
+                return Err(recover::segment_gap(
+                    path,
+                    segment.first_lsn,
+                    previous,
+                    next - 1,
+                ));
+            }
             let data = self
                 .shared
                 .fs
@@ -318,13 +336,28 @@ impl Wal {
             let mut at = SEGMENT_HEADER_BYTES as usize;
             next = segment.first_lsn;
             while at < data.len() && next <= upto {
-                let record = parse_record(&data, at)
-                    .map_err(|bad| WalError::corrupt(path, at as u64, bad.to_string()))?;
+                let record = parse_record(&data, at).map_err(|bad| match following {
+                    Some(_) => recover::sealed_damage(path, at, &bad),
+                    None => WalError::corrupt(path, at as u64, bad.to_string()),
+                })?;
                 if record.lsn != next {
                     return Err(WalError::corrupt(
                         path,
                         at as u64,
                         format!("the record has lsn {}, expected {next}", record.lsn),
+                    ));
+                }
+                if let Some(following) = following
+                    && record.lsn >= following
+                {
+                    return Err(WalError::corrupt(
+                        path,
+                        at as u64,
+                        format!(
+                            "the record has lsn {}, but the next segment ({}) starts at lsn {following}",
+                            record.lsn,
+                            segments[i + 1].path.display()
+                        ),
                     ));
                 }
                 if record.lsn > after {
@@ -341,6 +374,7 @@ impl Wal {
                 next += 1;
             }
             end = (path.clone(), at as u64);
+            previous = Some(path);
         }
         if next <= upto {
             // Something removed or cut a segment behind our back.

@@ -119,6 +119,9 @@ struct World {
     dir: TempDir,
     fs: FaultyFs,
     fsync: Fsync,
+    /// Open with `defer_sealed_checks`: the replay every reopen makes must
+    /// then find what open would have.
+    defer_sealed_checks: bool,
     wal: Option<Wal>,
     model: Model,
     rt: tokio::runtime::Runtime,
@@ -129,6 +132,7 @@ impl World {
         WalOptions {
             fsync: self.fsync,
             segment_bytes: 300,
+            defer_sealed_checks: self.defer_sealed_checks,
             ..WalOptions::new(self.dir.path())
         }
     }
@@ -269,7 +273,7 @@ impl World {
     }
 }
 
-fn run(fsync: Fsync, sync_delay_us: u64, ops: &[Op]) -> Result<(), String> {
+fn run(fsync: Fsync, defer: bool, sync_delay_us: u64, ops: &[Op]) -> Result<(), String> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .build()
@@ -278,6 +282,7 @@ fn run(fsync: Fsync, sync_delay_us: u64, ops: &[Op]) -> Result<(), String> {
         dir: TempDir::new("proptest"),
         fs: FaultyFs::new(),
         fsync,
+        defer_sealed_checks: defer,
         wal: None,
         model: Model::default(),
         rt,
@@ -322,9 +327,14 @@ fn config() -> Config {
 fn acknowledged_records_survive_random_faults_crashes_and_reopens() {
     let mut runner = TestRunner::new(config());
     let sync_delay_us = prop_oneof![Just(0u64), 200u64..2000];
-    let histories = (fsync(), sync_delay_us, prop::collection::vec(op(), 10..80));
-    let result = runner.run(&histories, |(fsync, sync_delay_us, ops)| {
-        run(fsync, sync_delay_us, &ops).map_err(TestCaseError::fail)
+    let histories = (
+        fsync(),
+        any::<bool>(),
+        sync_delay_us,
+        prop::collection::vec(op(), 10..80),
+    );
+    let result = runner.run(&histories, |(fsync, defer, sync_delay_us, ops)| {
+        run(fsync, defer, sync_delay_us, &ops).map_err(TestCaseError::fail)
     });
     eprintln!(
         "failed waits {}, power losses {}, torn tails cut {}, unacknowledged records dropped {}, snapshots {}",

@@ -329,3 +329,146 @@ fn gaps_misplaced_records_and_foreign_files_are_damage() {
     );
     assert_eq!(fs::read(&stranger).expect("read"), b"not a log at all");
 }
+
+fn open_deferred(dir: &Path, segment_bytes: u64) -> Result<(Wal, Recovered), WalError> {
+    let opts = WalOptions {
+        fsync: Fsync::Always,
+        segment_bytes,
+        defer_sealed_checks: true,
+        ..WalOptions::new(dir)
+    };
+    Wal::open(opts, Arc::new(RealFs))
+}
+
+/// With `defer_sealed_checks`, damage in a finished segment passes the
+/// open and stops the replay, with the very error a full open gives.
+fn deferred_corrupt_error(dir: &Path, segment_bytes: u64) -> String {
+    let (wal, _) =
+        open_deferred(dir, segment_bytes).expect("a deferred open checks only the last segment");
+    match wal.replay(0, |_, _| Ok(())) {
+        Ok(n) => panic!("replayed {n} records of a damaged log"),
+        Err(e @ WalError::Corrupt { .. }) => e.to_string(),
+        Err(e) => panic!("expected a corruption error, got {e}"),
+    }
+}
+
+/// A log of `n` 40-byte records in 64-byte segments: one record a segment.
+fn one_record_segments(name: &str, n: u8) -> (TempDir, Vec<Vec<u8>>, Vec<PathBuf>) {
+    let dir = TempDir::new(name);
+    let payloads: Vec<Vec<u8>> = (1..=n).map(|i| vec![i; 40]).collect();
+    write_log(dir.path(), 64, &payloads);
+    let files = segment_files(dir.path());
+    assert_eq!(files.len(), usize::from(n), "{files:?}");
+    (dir, payloads, files)
+}
+
+/// An undamaged log opened with `defer_sealed_checks` reports and replays
+/// exactly what a full open does, and goes on appending where it ended.
+#[test]
+fn a_deferred_open_finds_the_same_log() {
+    let dir = TempDir::new("deferred-same");
+    let payloads: Vec<Vec<u8>> = (0..300).map(payload).collect();
+    write_log(dir.path(), 256, &payloads);
+    let (wal, full) = open(dir.path(), 256).expect("open");
+    let all = read_after(&wal, 0);
+    drop(wal);
+    let (wal, deferred) = open_deferred(dir.path(), 256).expect("deferred open");
+    assert_eq!(deferred, full);
+    assert_eq!(all, numbered(&payloads));
+    assert_eq!(read_after(&wal, 0), all);
+    assert_eq!(read_after(&wal, 123), all[123..].to_vec());
+    let rt = runtime();
+    let lsn = wal.append(b"after").expect("append");
+    assert_eq!(lsn, 301);
+    durable(&rt, &wal, lsn).expect("durable");
+}
+
+/// Every kind of damage a full open finds in a finished segment — a bad
+/// record, a missing segment, a segment cut short, a record of the next
+/// segment, something else under a segment's name — a deferred open's
+/// replay finds too, with the same message; the last segment is still
+/// checked at open.
+#[test]
+fn a_deferred_open_leaves_no_damage_unreported() {
+    // A flipped bit at the end of the second of four segments.
+    let (dir, _, files) = one_record_segments("deferred-flip", 4);
+    let mut bytes = fs::read(&files[1]).expect("read");
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x80;
+    fs::write(&files[1], &bytes).expect("write");
+    let full = corrupt_error(dir.path(), 64);
+    assert!(full.contains("not the last one"), "{full}");
+    assert_eq!(deferred_corrupt_error(dir.path(), 64), full);
+
+    // A segment removed from the middle.
+    let (dir, _, files) = one_record_segments("deferred-gap", 4);
+    fs::remove_file(&files[1]).expect("remove");
+    let full = corrupt_error(dir.path(), 64);
+    assert!(
+        full.contains("starts at lsn 3 but the previous segment"),
+        "{full}"
+    );
+    assert_eq!(deferred_corrupt_error(dir.path(), 64), full);
+
+    // A finished segment cut back to its header.
+    let (dir, _, files) = one_record_segments("deferred-cut", 4);
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&files[1])
+        .and_then(|f| f.set_len(HEADER as u64))
+        .expect("cut");
+    let full = corrupt_error(dir.path(), 64);
+    assert!(full.contains("ends at lsn 1"), "{full}");
+    assert_eq!(deferred_corrupt_error(dir.path(), 64), full);
+
+    // The second segment also holds the third one's record (lsn 3), which
+    // the third segment holds as well: a full open sees the third segment
+    // start where the second should have ended; the replay sees lsn 3 in
+    // the second segment. Both name the place.
+    let (dir, _, files) = one_record_segments("deferred-overlap", 4);
+    let mut second = fs::read(&files[1]).expect("read");
+    second.extend_from_slice(&fs::read(&files[2]).expect("read")[HEADER..]);
+    fs::write(&files[1], &second).expect("write");
+    assert_eq!(
+        corrupt_error(dir.path(), 64),
+        format!(
+            "{}: byte 0: the segment starts at lsn 3 but the previous segment ({}) ends at lsn 3",
+            files[2].display(),
+            files[1].display()
+        )
+    );
+    assert_eq!(
+        deferred_corrupt_error(dir.path(), 64),
+        format!(
+            "{}: byte {}: the record has lsn 3, but the next segment ({}) starts at lsn 3",
+            files[1].display(),
+            HEADER + RECORD_HEADER + 40,
+            files[2].display()
+        )
+    );
+
+    // Something else under a finished segment's name.
+    let (dir, _, files) = one_record_segments("deferred-foreign", 3);
+    fs::write(&files[0], b"not a log at all").expect("write");
+    let full = corrupt_error(dir.path(), 64);
+    assert!(full.contains("bad magic"), "{full}");
+    assert_eq!(deferred_corrupt_error(dir.path(), 64), full);
+
+    // Damage in the last segment stops a deferred open itself.
+    let (dir, _, files) = one_record_segments("deferred-last", 3);
+    let mut bytes = fs::read(&files[2]).expect("read");
+    bytes[HEADER + RECORD_HEADER] ^= 0x01;
+    // A valid record after the damaged one: not a torn tail.
+    let next = [9u8; 40];
+    bytes.extend_from_slice(&40u32.to_le_bytes());
+    bytes.extend_from_slice(&crc(4, &next).to_le_bytes());
+    bytes.extend_from_slice(&4u64.to_le_bytes());
+    bytes.extend_from_slice(&next);
+    fs::write(&files[2], &bytes).expect("write");
+    let full = corrupt_error(dir.path(), 64);
+    match open_deferred(dir.path(), 64) {
+        Err(e @ WalError::Corrupt { .. }) => assert_eq!(e.to_string(), full),
+        Err(e) => panic!("expected a corruption error, got {e}"),
+        Ok(_) => panic!("a deferred open accepted a damaged last segment"),
+    }
+}
