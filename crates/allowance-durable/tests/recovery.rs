@@ -145,16 +145,22 @@ fn tenant_only(catalog: &Catalog, i: u64, tokens: u64) -> ReserveRequest {
     )
 }
 
-/// A store of the test's shape on `dir` through `fs`.
+/// The log's default segment size: most tests keep one segment.
+const SEGMENT_BYTES: u64 = allowance_wal::DEFAULT_SEGMENT_BYTES;
+
+/// A store of the test's shape on `dir` through `fs`, its log rolling
+/// segments at `segment_bytes`.
 async fn open_store(
     dir: &Path,
     fs: Arc<dyn FileSystem>,
     shards: usize,
     snapshot_every: u64,
+    segment_bytes: u64,
     clock: &Arc<ManualClock>,
     ids: &Arc<SeededIds>,
 ) -> Result<(DurableStore, OpenReport), OpenError> {
     let mut opts = DurableOptions::new(dir);
+    opts.wal.segment_bytes = segment_bytes;
     opts.shards = shards;
     opts.snapshot_every_records = snapshot_every;
     opts.wal.fsync = Fsync::Always;
@@ -196,7 +202,7 @@ async fn write_pairs(
     ids: &Arc<SeededIds>,
     pairs: u64,
 ) {
-    let (store, _) = open_store(dir, fs.clone(), 4, u64::MAX, clock, ids)
+    let (store, _) = open_store(dir, fs.clone(), 4, u64::MAX, SEGMENT_BYTES, clock, ids)
         .await
         .expect("open");
     let catalog = catalogs::standard();
@@ -216,12 +222,23 @@ async fn open_when_free(
     fs: Arc<dyn FileSystem>,
     shards: usize,
     snapshot_every: u64,
+    segment_bytes: u64,
     clock: &Arc<ManualClock>,
     ids: &Arc<SeededIds>,
 ) -> Result<(DurableStore, OpenReport), OpenError> {
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     loop {
-        match open_store(dir, fs.clone(), shards, snapshot_every, clock, ids).await {
+        match open_store(
+            dir,
+            fs.clone(),
+            shards,
+            snapshot_every,
+            segment_bytes,
+            clock,
+            ids,
+        )
+        .await
+        {
             Err(OpenError::Wal(WalError::Locked { .. }))
                 if std::time::Instant::now() < deadline =>
             {
@@ -366,18 +383,21 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..60),
         shards in prop_oneof![Just(1usize), Just(4), Just(16)],
         snapshot_every in 1u64..30,
+        // Small segments: the log rolls, snapshots delete whole segments,
+        // and a reopen's replay checks the finished ones.
+        segment_bytes in prop_oneof![Just(SEGMENT_BYTES), 512u64..4096],
     ) {
         let rt = runtime();
         rt.block_on(async {
             let (dir, clock, ids, fs) = setup(42);
-            let (mut store, _) = open_store(dir.path(), fs.clone(), shards, snapshot_every, &clock, &ids)
+            let (mut store, _) = open_store(dir.path(), fs.clone(), shards, snapshot_every, segment_bytes, &clock, &ids)
                 .await
                 .expect("open");
             // A reopen mid-history: `run` closes the old store first (one
             // process per data dir).
             let mut reopen = async || {
                 let (s, report) =
-                    open_when_free(dir.path(), fs.clone(), shards, snapshot_every, &clock, &ids)
+                    open_when_free(dir.path(), fs.clone(), shards, snapshot_every, segment_bytes, &clock, &ids)
                         .await
                         .expect("reopen");
                 assert!(report.divergences.is_empty(), "{:?}", report.divergences);
@@ -426,16 +446,17 @@ proptest! {
         shards in prop_oneof![Just(1usize), Just(4)],
         lose_all in any::<bool>(),
         cut_bytes in 1u64..400,
+        segment_bytes in prop_oneof![Just(SEGMENT_BYTES), 512u64..4096],
     ) {
         let rt = runtime();
         rt.block_on(async {
             let (dir, clock, ids, fs) = setup(43);
             // No snapshots: the main log holds everything to regenerate from.
-            let (mut store, _) = open_store(dir.path(), fs.clone(), shards, u64::MAX, &clock, &ids)
+            let (mut store, _) = open_store(dir.path(), fs.clone(), shards, u64::MAX, segment_bytes, &clock, &ids)
                 .await
                 .expect("open");
             let mut reopen = async || {
-                open_store(dir.path(), fs.clone(), shards, u64::MAX, &clock, &ids)
+                open_store(dir.path(), fs.clone(), shards, u64::MAX, segment_bytes, &clock, &ids)
                     .await
                     .expect("reopen")
                     .0
@@ -462,7 +483,7 @@ proptest! {
                 let f = std::fs::OpenOptions::new().write(true).open(&last).expect("open");
                 f.set_len(keep).expect("cut");
             }
-            let (store, report) = open_store(dir.path(), fs.clone(), shards, u64::MAX, &clock, &ids)
+            let (store, report) = open_store(dir.path(), fs.clone(), shards, u64::MAX, segment_bytes, &clock, &ids)
                 .await
                 .expect("reopen");
             prop_assert!(report.divergences.is_empty(), "{:?}", report.divergences);
@@ -501,7 +522,7 @@ fn faults_below_the_log_lose_nothing_acknowledged() {
         let ids = Arc::new(SeededIds::new(7));
         let faulty = FaultyFs::new();
         let fs: Arc<dyn FileSystem> = Arc::new(faulty.clone());
-        let (store, _) = open_store(dir.path(), fs.clone(), 4, 25, &clock, &ids)
+        let (store, _) = open_store(dir.path(), fs.clone(), 4, 25, SEGMENT_BYTES, &clock, &ids)
             .await
             .expect("open");
         let catalog = catalogs::standard();
@@ -594,9 +615,10 @@ fn faults_below_the_log_lose_nothing_acknowledged() {
         faulty.recover();
         // A snapshot still finishing in the background holds the dir a
         // moment longer (a real power loss would not wait for it).
-        let (store, report) = open_when_free(dir.path(), fs.clone(), 4, 25, &clock, &ids)
-            .await
-            .expect("reopen after the power loss");
+        let (store, report) =
+            open_when_free(dir.path(), fs.clone(), 4, 25, SEGMENT_BYTES, &clock, &ids)
+                .await
+                .expect("reopen after the power loss");
         assert!(report.divergences.is_empty(), "{:?}", report.divergences);
         for (id, answer) in &acked.settled {
             let now = store
@@ -657,13 +679,29 @@ fn torn_tail_corruption_and_a_second_process() {
     rt.block_on(async {
         let (dir, clock, ids, fs) = setup(9);
         let catalog = catalogs::standard();
-        let (store, _) = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
-            .await
-            .expect("open");
+        let (store, _) = open_store(
+            dir.path(),
+            fs.clone(),
+            4,
+            u64::MAX,
+            SEGMENT_BYTES,
+            &clock,
+            &ids,
+        )
+        .await
+        .expect("open");
         // A second store on the same data dir is refused, naming it.
-        let err = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
-            .await
-            .expect_err("the dir is taken");
+        let err = open_store(
+            dir.path(),
+            fs.clone(),
+            4,
+            u64::MAX,
+            SEGMENT_BYTES,
+            &clock,
+            &ids,
+        )
+        .await
+        .expect_err("the dir is taken");
         let message = err.to_string();
         assert!(message.contains("in use"), "{message}");
         assert!(
@@ -685,9 +723,17 @@ fn torn_tail_corruption_and_a_second_process() {
         // A torn tail: half a record at the end.
         let full = std::fs::read(&segment).expect("read");
         std::fs::write(&segment, &full[..full.len() - 7]).expect("tear");
-        let (store, report) = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
-            .await
-            .expect("a torn tail is not an error");
+        let (store, report) = open_store(
+            dir.path(),
+            fs.clone(),
+            4,
+            u64::MAX,
+            SEGMENT_BYTES,
+            &clock,
+            &ids,
+        )
+        .await
+        .expect("a torn tail is not an error");
         let torn = report.torn_tail.clone().expect("reported");
         assert_eq!(torn.file, segment);
         // The torn record was the last reserve: everything before it is kept.
@@ -702,9 +748,17 @@ fn torn_tail_corruption_and_a_second_process() {
         let at = bytes.len() / 2;
         bytes[at] ^= 0x40;
         std::fs::write(&segment, &bytes).expect("damage");
-        let err = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
-            .await
-            .expect_err("corruption stops start-up");
+        let err = open_store(
+            dir.path(),
+            fs.clone(),
+            4,
+            u64::MAX,
+            SEGMENT_BYTES,
+            &clock,
+            &ids,
+        )
+        .await
+        .expect_err("corruption stops start-up");
         let message = err.to_string();
         assert!(
             message.contains(&segment.display().to_string()) && message.contains("byte "),
@@ -805,9 +859,17 @@ fn admin_changes_survive_and_win_over_the_file() {
     let rt = runtime();
     rt.block_on(async {
         let (dir, clock, ids, fs) = setup(11);
-        let (store, _) = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
-            .await
-            .expect("open");
+        let (store, _) = open_store(
+            dir.path(),
+            fs.clone(),
+            4,
+            u64::MAX,
+            SEGMENT_BYTES,
+            &clock,
+            &ids,
+        )
+        .await
+        .expect("open");
         let acme = ScopeKey::tenant("acme").expect("valid");
         store
             .change_catalog(&CatalogChange::SetOverride(
@@ -819,9 +881,17 @@ fn admin_changes_survive_and_win_over_the_file() {
         store.close().await.expect("close");
 
         // Same file: the override is back.
-        let (store, report) = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
-            .await
-            .expect("reopen");
+        let (store, report) = open_store(
+            dir.path(),
+            fs.clone(),
+            4,
+            u64::MAX,
+            SEGMENT_BYTES,
+            &clock,
+            &ids,
+        )
+        .await
+        .expect("reopen");
         assert!(!report.config_changed);
         assert_eq!(report.admin_changes, vec![format!("override on {acme}")]);
         let status = store.status(&acme).await.expect("status");
@@ -895,9 +965,17 @@ fn an_undecodable_record_stops_start_up_with_its_lsn() {
             let lsn = wal.append(&[1, 0xff, 0xff, 0xff]).expect("append");
             assert_eq!(lsn, recovered.last_lsn + 1);
             wal.close().expect("close the log");
-            let err = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
-                .await
-                .expect_err("an undecodable record stops start-up");
+            let err = open_store(
+                dir.path(),
+                fs.clone(),
+                4,
+                u64::MAX,
+                SEGMENT_BYTES,
+                &clock,
+                &ids,
+            )
+            .await
+            .expect_err("an undecodable record stops start-up");
             let message = err.to_string();
             assert!(
                 message.contains(&format!("lsn {lsn}")) && message.contains("undecodable"),
@@ -938,9 +1016,17 @@ fn a_record_the_applier_refuses_stops_start_up_with_its_lsn() {
             wal.append(payload).expect("append");
         }
         wal.close().expect("close the new log");
-        let err = open_store(headless.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
-            .await
-            .expect_err("a log without its configuration stops start-up");
+        let err = open_store(
+            headless.path(),
+            fs.clone(),
+            4,
+            u64::MAX,
+            SEGMENT_BYTES,
+            &clock,
+            &ids,
+        )
+        .await
+        .expect_err("a log without its configuration stops start-up");
         let message = err.to_string();
         assert!(
             message.contains("lsn 1:") && message.contains("configuration"),
@@ -957,9 +1043,17 @@ fn decided_reserves_are_durable_once_awaited() {
     let rt = runtime();
     rt.block_on(async {
         let (dir, clock, ids, fs) = setup(12);
-        let (store, _) = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
-            .await
-            .expect("open");
+        let (store, _) = open_store(
+            dir.path(),
+            fs.clone(),
+            4,
+            u64::MAX,
+            SEGMENT_BYTES,
+            &clock,
+            &ids,
+        )
+        .await
+        .expect("open");
         let catalog = catalogs::standard();
         let mut decided = Vec::new();
         for i in 0..3 {
@@ -983,7 +1077,7 @@ fn decided_reserves_are_durable_once_awaited() {
         }
         store.close().await.expect("close");
 
-        let (store, _) = open_store(dir.path(), fs, 4, u64::MAX, &clock, &ids)
+        let (store, _) = open_store(dir.path(), fs, 4, u64::MAX, SEGMENT_BYTES, &clock, &ids)
             .await
             .expect("reopen");
         for id in ids_held {
