@@ -242,7 +242,10 @@ impl SharedLedger {
         // maps flattened, references checked — is built after they are
         // released, so the ledger pauses for the copy alone.
         let catalog = Arc::clone(&catalog_guard);
-        let states: Vec<ShardState> = guards.iter().map(|g| g.st.clone()).collect();
+        let states = {
+            let held: Vec<&ShardState> = guards.iter().map(|g| &g.st).collect();
+            copy_states(&held, copy_threads(), PARALLEL_COPY_RECORDS)
+        };
         drop(guards);
         drop(catalog_guard);
         let mut w = Writer::new(&catalog);
@@ -291,6 +294,66 @@ impl SharedLedger {
         }
         out
     }
+}
+
+/// Remembered reservations past which a snapshot copies the shards on
+/// more than one thread: below it the copy takes well under a millisecond
+/// and starting threads would only add to it.
+const PARALLEL_COPY_RECORDS: usize = 50_000;
+
+/// Threads that copy the shards while a snapshot holds every lock: one per
+/// core, at most 8 (the copy is memory-bound; more add little).
+fn copy_threads() -> usize {
+    if cfg!(allowance_shuttle) {
+        // The model checker schedules only its own threads.
+        return 1;
+    }
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
+}
+
+/// A copy of every shard's state, in order. The ledger answers nothing
+/// while it runs (every shard is locked): at a day's retention of heavy
+/// traffic the copy is seconds of work, so from `min_records` remembered
+/// reservations on it is shared by up to `threads` threads, each taking
+/// the next shard not yet taken. A thread that cannot be started leaves
+/// its share to the others.
+fn copy_states(states: &[&ShardState], threads: usize, min_records: usize) -> Vec<ShardState> {
+    let records: usize = states.iter().map(|st| st.records.len()).sum();
+    let threads = threads.min(states.len());
+    if threads <= 1 || records < min_records {
+        return states.iter().map(|st| (*st).clone()).collect();
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let take = || {
+        let mut copied = Vec::new();
+        loop {
+            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let Some(st) = states.get(i) else {
+                return copied;
+            };
+            copied.push((i, (*st).clone()));
+        }
+    };
+    let mut copied: Vec<(usize, ShardState)> = std::thread::scope(|scope| {
+        let helpers: Vec<_> = (1..threads)
+            .filter_map(|_| {
+                std::thread::Builder::new()
+                    .name("allowance-snapshot-copy".to_owned())
+                    .spawn_scoped(scope, take)
+                    .ok()
+            })
+            .collect();
+        let mut copied = take();
+        for helper in helpers {
+            match helper.join() {
+                Ok(theirs) => copied.extend(theirs),
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+        copied
+    });
+    copied.sort_unstable_by_key(|(i, _)| *i);
+    copied.into_iter().map(|(_, st)| st).collect()
 }
 
 /// Builds a snapshot's tables while walking the shards.
@@ -813,5 +876,79 @@ impl<'a> Rebuild<'a> {
         let states: Vec<&ShardState> = self.parts.iter().collect();
         invariants::check_routes(&states, self.router)?;
         Ok(self.parts)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Dimension, Limit, ReserveRequest, Usage, Window};
+
+    /// A ledger of 16 shards with reservations held, settled and
+    /// remembered in most of them.
+    fn busy_ledger() -> SharedLedger {
+        let hour = Window::Sliding {
+            period_ms: 3_600_000,
+            slices: 60,
+        };
+        let mut catalog = Catalog::default();
+        let plan = Plan::new(
+            "p",
+            vec![Limit::new(Dimension::TOKENS, 1 << 40, hour).expect("limit")],
+            OverrunPolicy::ChargeActual,
+        )
+        .expect("plan");
+        catalog.set_plan(plan);
+        catalog.set_kind("tenant", Some("p"), false).expect("kind");
+        catalog.set_kind("user", Some("p"), false).expect("kind");
+        catalog.set_kind("tool", Some("p"), true).expect("kind");
+        let ledger = SharedLedger::new(catalog, 16);
+        let now = Timestamp::from_millis(1_700_000_000_000);
+        for i in 0..600u64 {
+            let tenant = format!("t{}", i % 37);
+            let user = format!("u{}", i % 11);
+            let mut pairs = vec![("user", user.as_str())];
+            if i % 5 == 0 {
+                pairs.push(("tool", "search"));
+            }
+            let scopes = ledger.catalog().scope_set(&tenant, &pairs).expect("scopes");
+            let id = ReservationId::mint(u128::from(i + 1) << 8, &tenant);
+            let req = ReserveRequest::new(scopes, Amounts::new().with(Dimension::TOKENS, 10 + i));
+            ledger.reserve(now, id, &req).expect("reserve");
+            if i % 3 != 0 {
+                let usage = Usage {
+                    amounts: Amounts::new().with(Dimension::TOKENS, i),
+                    ..Usage::default()
+                };
+                ledger.settle(now, id, &usage).expect("settle");
+            }
+        }
+        ledger
+    }
+
+    /// The copy shared by several threads is the copy one thread makes,
+    /// shard for shard, whatever the thread count.
+    #[test]
+    fn a_copy_on_several_threads_is_the_same_copy() {
+        let ledger = busy_ledger();
+        let guards: Vec<_> = ledger.shards.iter().map(|s| s.0.lock()).collect();
+        let held: Vec<&ShardState> = guards.iter().map(|g| &g.st).collect();
+        let catalog = ledger.catalog();
+        let logical = |states: &[ShardState]| {
+            let mut w = Writer::new(&catalog);
+            let shards: Vec<ShardSnapshot> = states.iter().map(|st| w.shard(st)).collect();
+            postcard::to_allocvec(&(w.keys, w.scope_sets, shards)).expect("encode")
+        };
+        let one = copy_states(&held, 1, 0);
+        assert_eq!(one.len(), 16);
+        let records: usize = one.iter().map(|st| st.records.len()).sum();
+        assert_eq!(records, 600);
+        let expected = logical(&one);
+        for threads in [2, 3, 8, 64] {
+            let many = copy_states(&held, threads, 0);
+            assert_eq!(logical(&many), expected, "{threads} threads");
+        }
+        // Below the threshold one thread copies, the same way.
+        assert_eq!(logical(&copy_states(&held, 8, 601)), expected);
     }
 }
