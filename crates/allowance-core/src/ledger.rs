@@ -32,6 +32,7 @@ impl Ledger {
             shard: Shard {
                 catalog: Arc::new(catalog),
                 st: ShardState::default(),
+                copy_to: None,
             },
         }
     }
@@ -54,7 +55,7 @@ impl Ledger {
     }
 
     fn locked(&mut self) -> Locked<'_> {
-        let Shard { catalog, st } = &mut self.shard;
+        let Shard { catalog, st, .. } = &mut self.shard;
         Locked {
             catalog,
             parts: smallvec![(0, st)],
@@ -135,7 +136,7 @@ impl Ledger {
     /// Expires every hold due at `now`, forgets what passed its retention and
     /// drops idle scopes. Returns the number of reservations expired so far.
     pub fn expire_due(&mut self, now: Timestamp) -> u64 {
-        let Shard { catalog, st } = &mut self.shard;
+        let Shard { catalog, st, .. } = &mut self.shard;
         st.observe(catalog, now.as_millis(), usize::MAX);
         st.expired_count
     }

@@ -598,6 +598,32 @@ pub(crate) struct ShardState {
 pub(crate) struct Shard {
     pub(crate) catalog: Arc<Catalog>,
     pub(crate) st: ShardState,
+    /// A snapshot's cut this shard has not been copied for yet, and the
+    /// shard's place in it: whoever locks the shard next copies its state
+    /// there first (see `SharedLedger::lock_shard`).
+    pub(crate) copy_to: Option<(std::sync::Weak<CopyCut>, usize)>,
+}
+
+/// The shards' states at a snapshot's cut, filled in as each shard is next
+/// locked (by an operation, before it changes anything, or by the
+/// snapshot itself).
+#[derive(Debug)]
+pub(crate) struct CopyCut {
+    pub(crate) states: crate::sync::Mutex<Vec<Option<ShardState>>>,
+}
+
+impl Shard {
+    /// Copies the state into the cut waiting for it, if one is (a snapshot
+    /// dropped meanwhile wants nothing).
+    #[cold]
+    pub(crate) fn copy_out(&mut self) {
+        if let Some((cut, i)) = self.copy_to.take()
+            && let Some(cut) = cut.upgrade()
+        {
+            let st = self.st.clone();
+            cut.states.lock()[i] = Some(st);
+        }
+    }
 }
 
 /// How long a scope found idle (nothing held) is kept before the idle-scope

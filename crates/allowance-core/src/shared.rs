@@ -23,6 +23,20 @@ use crate::usage::{Adjustment, UsageEvent, UsageKind};
 #[derive(Debug)]
 pub(crate) struct Padded<T>(pub(crate) T);
 
+impl Padded<Mutex<Shard>> {
+    /// Locks the shard. If a snapshot's cut still waits for this shard's
+    /// state, the state is copied there first, before the caller can change
+    /// it: a snapshot stops each shard only for that shard's own copy.
+    #[inline]
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Shard> {
+        let mut g = self.0.lock();
+        if g.copy_to.is_some() {
+            g.copy_out();
+        }
+        g
+    }
+}
+
 /// What a settle, refund or extend answers without copying the whole
 /// reservation.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -242,6 +256,7 @@ impl SharedLedger {
                     Padded(Mutex::new(Shard {
                         catalog: catalog.clone(),
                         st: ShardState::default(),
+                        copy_to: None,
                     }))
                 })
                 .collect(),
@@ -266,7 +281,7 @@ impl SharedLedger {
         let r = f(&mut next)?;
         let next = Arc::new(next);
         for s in self.shards.iter() {
-            s.0.lock().catalog = next.clone();
+            s.lock().catalog = next.clone();
         }
         *current = next;
         Ok(r)
@@ -285,8 +300,7 @@ impl SharedLedger {
         let mut next = (**current).clone();
         change.apply(&mut next)?;
         let next = Arc::new(next);
-        let mut guards: Vec<MutexGuard<'_, Shard>> =
-            self.shards.iter().map(|s| s.0.lock()).collect();
+        let mut guards: Vec<MutexGuard<'_, Shard>> = self.shards.iter().map(|s| s.lock()).collect();
         for g in guards.iter_mut() {
             g.catalog = next.clone();
         }
@@ -299,7 +313,7 @@ impl SharedLedger {
     /// calls this once, before serving).
     pub fn report_usage(&self) {
         for s in self.shards.iter() {
-            s.0.lock().st.report_expiries = true;
+            s.lock().st.report_expiries = true;
         }
     }
 
@@ -308,7 +322,7 @@ impl SharedLedger {
     pub fn has_unreported_expiries(&self) -> bool {
         self.shards
             .iter()
-            .any(|s| !s.0.lock().st.expired_outbox.is_empty())
+            .any(|s| !s.lock().st.expired_outbox.is_empty())
     }
 
     /// Every shard observes `now` (or the latest instant any shard saw, if
@@ -317,8 +331,7 @@ impl SharedLedger {
     /// are none. The sweeper calls this so an idle shard's expiries reach
     /// the usage log without waiting for the next operation there.
     pub fn tick_journaled<J: Journal>(&self, now: Timestamp, journal: &J) -> Option<J::Ticket> {
-        let mut guards: Vec<MutexGuard<'_, Shard>> =
-            self.shards.iter().map(|s| s.0.lock()).collect();
+        let mut guards: Vec<MutexGuard<'_, Shard>> = self.shards.iter().map(|s| s.lock()).collect();
         Self::tick_guards(&mut guards, now, journal)
     }
 
@@ -335,7 +348,7 @@ impl SharedLedger {
             .fold(now.as_millis(), u64::max);
         let mut events = Vec::new();
         for g in guards.iter_mut() {
-            let Shard { catalog, st } = &mut **g;
+            let Shard { catalog, st, .. } = &mut **g;
             st.observe(catalog, now, 0);
             drain_shard(st, &mut events);
         }
@@ -356,8 +369,7 @@ impl SharedLedger {
         let mut current = self.catalog.lock();
         catalog.follow_epoch(current.epoch());
         let next = Arc::new(catalog);
-        let mut guards: Vec<MutexGuard<'_, Shard>> =
-            self.shards.iter().map(|s| s.0.lock()).collect();
+        let mut guards: Vec<MutexGuard<'_, Shard>> = self.shards.iter().map(|s| s.lock()).collect();
         for g in guards.iter_mut() {
             g.catalog = next.clone();
         }
@@ -372,11 +384,11 @@ impl SharedLedger {
         f: impl FnOnce(&mut Locked<'_>) -> R,
     ) -> R {
         let mut guards: SmallVec<[MutexGuard<'_, Shard>; 4]> =
-            shards.iter().map(|&i| self.shards[i].0.lock()).collect();
+            shards.iter().map(|&i| self.shards[i].lock()).collect();
         let mut catalog = None;
         let mut parts = SmallVec::new();
         for (k, g) in guards.iter_mut().enumerate() {
-            let Shard { catalog: c, st } = &mut **g;
+            let Shard { catalog: c, st, .. } = &mut **g;
             if shards[k] == home {
                 catalog = Some(&**c);
             }
@@ -400,7 +412,7 @@ impl SharedLedger {
     fn with_reservation<R>(&self, id: ReservationId, f: impl FnOnce(&mut Locked<'_>) -> R) -> R {
         let home = self.router.of_id(id);
         let scopes = {
-            let mut g = self.shards[home].0.lock();
+            let mut g = self.shards[home].lock();
             // A shard that remembers no multi-shard reservation needs no
             // lookup here (the operation looks the id up itself).
             let multi =
@@ -428,7 +440,7 @@ impl SharedLedger {
         router: Router,
         f: impl FnOnce(&mut Locked<'_>) -> R,
     ) -> R {
-        let Shard { catalog, st } = &mut **g;
+        let Shard { catalog, st, .. } = &mut **g;
         let mut locked = Locked {
             catalog,
             parts: smallvec::smallvec![(home, st)],
@@ -486,7 +498,7 @@ impl SharedLedger {
         let home = self.router.of_id(id);
         if !req.scopes.any_shared() {
             // Every scope lives in the tenant's shard.
-            let mut g = self.shards[home].0.lock();
+            let mut g = self.shards[home].lock();
             return Self::run_home(&mut g, home, self.router, run);
         }
         let shards = self.router.shards_of(&req.scopes);
@@ -712,8 +724,8 @@ impl SharedLedger {
         self.shards
             .iter()
             .map(|s| {
-                let mut g = s.0.lock();
-                let Shard { catalog, st } = &mut *g;
+                let mut g = s.lock();
+                let Shard { catalog, st, .. } = &mut *g;
                 st.observe(catalog, now.as_millis(), usize::MAX);
                 st.expired_count
             })
@@ -727,7 +739,7 @@ impl SharedLedger {
 
     /// Number of HELD holds in all shards (foreign holds included).
     pub fn hold_count(&self) -> usize {
-        self.shards.iter().map(|s| s.0.lock().st.expiry.len()).sum()
+        self.shards.iter().map(|s| s.lock().st.expiry.len()).sum()
     }
 
     /// Number of HELD reservations (each counted once, in its home shard).
@@ -735,7 +747,7 @@ impl SharedLedger {
         self.shards
             .iter()
             .map(|s| {
-                let g = s.0.lock();
+                let g = s.lock();
                 g.st.expiry.len() - g.st.foreign.len()
             })
             .sum()
@@ -744,13 +756,13 @@ impl SharedLedger {
     /// Checks every invariant, each shard's and across shards, after all
     /// shards observed `now` (with every shard locked: a test helper).
     pub fn check_invariants(&self, now: Timestamp) -> Result<(), String> {
-        let mut guards: Vec<_> = self.shards.iter().map(|s| s.0.lock()).collect();
+        let mut guards: Vec<_> = self.shards.iter().map(|s| s.lock()).collect();
         let now = guards
             .iter()
             .map(|g| g.st.now_ms)
             .fold(now.as_millis(), u64::max);
         for g in guards.iter_mut() {
-            let Shard { catalog, st } = &mut **g;
+            let Shard { catalog, st, .. } = &mut **g;
             st.observe(catalog, now, 0);
         }
         for (i, g) in guards.iter().enumerate() {

@@ -58,9 +58,11 @@ use crate::ops::Router;
 use crate::plan::{MAX_LIMITS_PER_PLAN, OverrunPolicy, Plan};
 use crate::reservation::{Labels, Reservation, ReservationId, Status};
 use crate::scope::{ScopeKey, ScopeSet};
-use crate::shard::{Hold, HoldScope, NO_SLOT, Record, ScopeState, ShardState, idempotency_key};
-use crate::shared::SharedLedger;
-use crate::sync::MutexGuard;
+use crate::shard::{
+    CopyCut, Hold, HoldScope, NO_SLOT, Record, ScopeState, ShardState, idempotency_key,
+};
+use crate::shared::{Padded, SharedLedger};
+use crate::sync::{Mutex, MutexGuard};
 use crate::units::{Amounts, Timestamp};
 
 /// The layout of [`LedgerSnapshot`] this build writes and reads. Decoding
@@ -233,21 +235,55 @@ impl SharedLedger {
         first: impl FnOnce(&mut [MutexGuard<'_, crate::shard::Shard>]) -> T,
         f: impl FnOnce() -> R,
     ) -> (T, R, LedgerSnapshot) {
+        self.snapshot_cut(first, f, || (), PARALLEL_COPY_RECORDS)
+    }
+
+    /// [`SharedLedger::snapshot_inner`], calling `between` once every lock
+    /// is released and before the shards no operation has touched since
+    /// are copied (tests change the ledger there), and copying on several
+    /// threads from `parallel_from` remembered reservations on.
+    ///
+    /// Under every lock only the cut is made: `first`, `f`, and each shard
+    /// marked as owing its state to the cut. Each shard's state is then
+    /// copied by whoever locks it next — an operation, before it changes
+    /// anything, or this snapshot, which locks every shard once after the
+    /// cut (on several threads for a large ledger). So the ledger as a
+    /// whole never stops for the copy: an operation waits at most for the
+    /// copy of the shards it locks. The snapshot's own form (names
+    /// interned, maps flattened, references checked) is built from the
+    /// copies after that.
+    pub(crate) fn snapshot_cut<T, R>(
+        &self,
+        first: impl FnOnce(&mut [MutexGuard<'_, crate::shard::Shard>]) -> T,
+        f: impl FnOnce() -> R,
+        between: impl FnOnce(),
+        parallel_from: usize,
+    ) -> (T, R, LedgerSnapshot) {
+        let cut = Arc::new(CopyCut {
+            states: crate::sync::Mutex::new(vec![None; self.shards.len()]),
+        });
         let catalog_guard = self.catalog.lock();
-        let mut guards: Vec<MutexGuard<'_, _>> = self.shards.iter().map(|s| s.0.lock()).collect();
+        let mut guards: Vec<MutexGuard<'_, _>> = self.shards.iter().map(|s| s.lock()).collect();
         let t = first(&mut guards);
         let r = f();
-        // Under the locks only a plain copy of each shard (moves of words
-        // and reference counts); the snapshot's own form — names interned,
-        // maps flattened, references checked — is built after they are
-        // released, so the ledger pauses for the copy alone.
         let catalog = Arc::clone(&catalog_guard);
-        let states = {
-            let held: Vec<&ShardState> = guards.iter().map(|g| &g.st).collect();
-            copy_states(&held, copy_threads(), PARALLEL_COPY_RECORDS)
-        };
+        let records: usize = guards.iter().map(|g| g.st.records.len()).sum();
+        for (i, g) in guards.iter_mut().enumerate() {
+            g.copy_to = Some((Arc::downgrade(&cut), i));
+        }
         drop(guards);
         drop(catalog_guard);
+        between();
+        let threads = if records < parallel_from {
+            1
+        } else {
+            copy_threads()
+        };
+        lock_each(&self.shards, threads);
+        let states: Vec<ShardState> = std::mem::take(&mut *cut.states.lock())
+            .into_iter()
+            .map(|st| st.expect("every shard was locked, so copied, after the cut"))
+            .collect();
         let mut w = Writer::new(&catalog);
         let shards = states.iter().map(|st| w.shard(st)).collect();
         drop(states);
@@ -279,7 +315,7 @@ impl SharedLedger {
     pub fn known_scopes(&self) -> Vec<ScopeKey> {
         let mut out = Vec::new();
         for s in self.shards.iter() {
-            let g = s.0.lock();
+            let g = s.lock();
             out.extend(g.st.scopes.iter().flatten().map(|sc| sc.key.clone()));
         }
         out
@@ -289,20 +325,20 @@ impl SharedLedger {
     pub fn known_reservations(&self) -> Vec<ReservationId> {
         let mut out = Vec::new();
         for s in self.shards.iter() {
-            let g = s.0.lock();
+            let g = s.lock();
             out.extend(g.st.records.iter().map(|r| r.res.id));
         }
         out
     }
 }
 
-/// Remembered reservations past which a snapshot copies the shards on
-/// more than one thread: below it the copy takes well under a millisecond
-/// and starting threads would only add to it.
+/// Remembered reservations past which a snapshot locks (so copies) the
+/// shards on more than one thread: below it the copy takes well under a
+/// millisecond and starting threads would only add to it.
 const PARALLEL_COPY_RECORDS: usize = 50_000;
 
-/// Threads that copy the shards while a snapshot holds every lock: one per
-/// core, at most 8 (the copy is memory-bound; more add little).
+/// Threads that copy the shards after a snapshot's cut: one per core, at
+/// most 8 (the copy is memory-bound; more add little).
 fn copy_threads() -> usize {
     if cfg!(allowance_shuttle) {
         // The model checker schedules only its own threads.
@@ -311,30 +347,23 @@ fn copy_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
 }
 
-/// A copy of every shard's state, in order. The ledger answers nothing
-/// while it runs (every shard is locked): at a day's retention of heavy
-/// traffic the copy is seconds of work, so from `min_records` remembered
-/// reservations on it is shared by up to `threads` threads, each taking
-/// the next shard not yet taken. A thread that cannot be started leaves
-/// its share to the others.
-fn copy_states(states: &[&ShardState], threads: usize, min_records: usize) -> Vec<ShardState> {
-    let records: usize = states.iter().map(|st| st.records.len()).sum();
-    let threads = threads.min(states.len());
-    if threads <= 1 || records < min_records {
-        return states.iter().map(|st| (*st).clone()).collect();
+/// Locks every shard once, on up to `threads` threads, each taking the
+/// next shard not yet taken: a shard a snapshot's cut still waits for is
+/// copied then (see [`Padded::lock`]). A thread that cannot be started
+/// leaves its share to the others.
+fn lock_each(shards: &[Padded<Mutex<crate::shard::Shard>>], threads: usize) {
+    let threads = threads.min(shards.len());
+    if threads <= 1 {
+        shards.iter().for_each(|s| drop(s.lock()));
+        return;
     }
     let next = std::sync::atomic::AtomicUsize::new(0);
     let take = || {
-        let mut copied = Vec::new();
-        loop {
-            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let Some(st) = states.get(i) else {
-                return copied;
-            };
-            copied.push((i, (*st).clone()));
+        while let Some(s) = shards.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
+            drop(s.lock());
         }
     };
-    let mut copied: Vec<(usize, ShardState)> = std::thread::scope(|scope| {
+    std::thread::scope(|scope| {
         let helpers: Vec<_> = (1..threads)
             .filter_map(|_| {
                 std::thread::Builder::new()
@@ -343,17 +372,13 @@ fn copy_states(states: &[&ShardState], threads: usize, min_records: usize) -> Ve
                     .ok()
             })
             .collect();
-        let mut copied = take();
+        take();
         for helper in helpers {
-            match helper.join() {
-                Ok(theirs) => copied.extend(theirs),
-                Err(panic) => std::panic::resume_unwind(panic),
+            if let Err(panic) = helper.join() {
+                std::panic::resume_unwind(panic);
             }
         }
-        copied
     });
-    copied.sort_unstable_by_key(|(i, _)| *i);
-    copied.into_iter().map(|(_, st)| st).collect()
 }
 
 /// Builds a snapshot's tables while walking the shards.
@@ -530,7 +555,7 @@ fn restore(snapshot: LedgerSnapshot, shards: usize) -> Result<SharedLedger, Stri
     r.holds()?;
     let parts = r.finish()?;
     for (shard, st) in ledger.shards.iter().zip(parts) {
-        shard.0.lock().st = st;
+        shard.lock().st = st;
     }
     Ok(ledger)
 }
@@ -926,29 +951,47 @@ mod tests {
         ledger
     }
 
-    /// The copy shared by several threads is the copy one thread makes,
-    /// shard for shard, whatever the thread count.
-    #[test]
-    fn a_copy_on_several_threads_is_the_same_copy() {
-        let ledger = busy_ledger();
-        let guards: Vec<_> = ledger.shards.iter().map(|s| s.0.lock()).collect();
-        let held: Vec<&ShardState> = guards.iter().map(|g| &g.st).collect();
-        let catalog = ledger.catalog();
-        let logical = |states: &[ShardState]| {
-            let mut w = Writer::new(&catalog);
-            let shards: Vec<ShardSnapshot> = states.iter().map(|st| w.shard(st)).collect();
-            postcard::to_allocvec(&(w.keys, w.scope_sets, shards)).expect("encode")
-        };
-        let one = copy_states(&held, 1, 0);
-        assert_eq!(one.len(), 16);
-        let records: usize = one.iter().map(|st| st.records.len()).sum();
-        assert_eq!(records, 600);
-        let expected = logical(&one);
-        for threads in [2, 3, 8, 64] {
-            let many = copy_states(&held, threads, 0);
-            assert_eq!(logical(&many), expected, "{threads} threads");
+    fn encoded(snapshot: &LedgerSnapshot) -> Vec<u8> {
+        postcard::to_allocvec(snapshot).expect("encode")
+    }
+
+    /// More of the same traffic, on every shard.
+    fn more(ledger: &SharedLedger, from: u64) {
+        let now = Timestamp::from_millis(1_700_000_000_000);
+        for i in from..from + 200 {
+            let tenant = format!("t{}", i % 37);
+            let scopes = ledger
+                .catalog()
+                .scope_set(&tenant, &[("tool", "search")])
+                .expect("scopes");
+            let id = ReservationId::mint(u128::from(i + 1) << 8, &tenant);
+            let req = ReserveRequest::new(scopes, Amounts::new().with(Dimension::TOKENS, 1));
+            ledger.reserve(now, id, &req).expect("reserve");
         }
-        // Below the threshold one thread copies, the same way.
-        assert_eq!(logical(&copy_states(&held, 8, 601)), expected);
+    }
+
+    /// A snapshot is the ledger at its cut: operations made after it, on
+    /// shards the snapshot has not copied yet, copy their shard first and
+    /// are not in it — whether one thread or several copy the rest.
+    #[test]
+    fn a_snapshot_is_the_ledger_at_its_cut() {
+        for (threads_from, shift) in [(usize::MAX, 0), (0, 1_000)] {
+            let ledger = busy_ledger();
+            let cut =
+                |between: &dyn Fn()| ledger.snapshot_cut(|_| (), || (), between, threads_from).2;
+            let before = encoded(&cut(&|| ()));
+            // Operations on every shard between the cut and the copy.
+            let during = encoded(&cut(&|| more(&ledger, 10_000 + shift)));
+            assert_eq!(during, before, "copied from {threads_from} records on");
+            // They are in the next one, and the ledger is whole.
+            let after = cut(&|| ());
+            assert_ne!(encoded(&after), before);
+            let restored = SharedLedger::from_snapshot(after, 16).expect("restore");
+            assert_eq!(restored.known_reservations().len(), 800);
+            let now = Timestamp::from_millis(1_700_000_000_000);
+            ledger.check_invariants(now).expect("invariants");
+            // No shard still owes a copy to a finished snapshot.
+            assert!(ledger.shards.iter().all(|s| s.0.lock().copy_to.is_none()));
+        }
     }
 }
