@@ -207,7 +207,12 @@ pub enum SnapshotError {
 impl SharedLedger {
     /// Takes every shard lock (ascending) and the catalog, calls `f` while
     /// holding them (the store reads its log position there: no operation
-    /// can commit in between), copies the state, unlocks.
+    /// can commit in between), marks every shard as owing its state to
+    /// this snapshot, unlocks; then each shard's state is copied by
+    /// whoever locks it next (an operation, before it changes anything,
+    /// or this call, which locks every shard once): the snapshot is the
+    /// ledger at the instant `f` ran, and no operation waits for more than
+    /// the copies of the shards it locks.
     ///
     /// The catalog's lock is taken first, as a catalog change takes it.
     /// Reads only: no shard observes anything, so the ledger's answers are
