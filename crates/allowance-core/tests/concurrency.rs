@@ -1193,3 +1193,118 @@ fn two_threads_disjoint_hot_and_shared_drain_exactly_to_the_cap() {
         }
     }
 }
+
+/// Records, in commit order (commits run under the shard locks), each
+/// reservation's reserve and settle.
+#[derive(Default)]
+struct Changes(Mutex<Vec<(ReservationId, Status)>>);
+
+impl Journal for Changes {
+    type Ticket = ();
+    fn commit(&self, change: &Committed<'_>, _usage: Vec<UsageEvent>) {
+        let entry = match change {
+            Committed::Reserve { id, .. } => (*id, Status::Held),
+            Committed::Settle { id, .. } => (*id, Status::Settled),
+            _ => return,
+        };
+        self.0.lock().expect("journal").push(entry);
+    }
+}
+
+/// Snapshots taken while threads reserve and settle on many tenants, over
+/// a ledger large enough that the snapshot copies its shards on several
+/// threads: each is the ledger at its cut — every change journaled before
+/// the cut is in it, none after, for every reservation.
+#[test]
+fn snapshots_amid_traffic_are_the_ledger_at_their_cuts() {
+    let mut catalog = Catalog::default();
+    let open = Plan::new(
+        "open",
+        vec![limit(
+            Dimension::TOKENS,
+            MAX_AMOUNT,
+            Window::Sliding {
+                period_ms: 3_600_000,
+                slices: 12,
+            },
+        )],
+        OverrunPolicy::ChargeActual,
+    )
+    .expect("plan");
+    catalog.set_plan(open);
+    catalog.set_kind("tenant", Some("open"), false).expect("kind");
+    catalog.set_kind("user", Some("open"), false).expect("kind");
+    catalog.set_kind("tool", Some("open"), true).expect("kind");
+    let ledger = Arc::new(SharedLedger::new(catalog, 16));
+    let changes = Arc::new(Changes::default());
+    let now = Timestamp::from_millis(1_741_953_600_000);
+    let tenants: Arc<Vec<String>> = Arc::new((0..48).map(|i| format!("t{i}")).collect());
+    let pair = move |l: &SharedLedger, j: &Changes, rng: &mut Rng, settle: bool| {
+        let tenant = &tenants[rng.below(tenants.len() as u64) as usize];
+        let user = format!("u{}", rng.below(20));
+        let mut pairs = vec![("user", user.as_str())];
+        if rng.chance(30) {
+            pairs.push(("tool", "search"));
+        }
+        let scopes = l.catalog().scope_set(tenant, &pairs).expect("scopes");
+        let id = rng.id(tenant);
+        let req = ReserveRequest::new(scopes, Amounts::new().with(Dimension::TOKENS, 5));
+        l.reserve_journaled(now, id, &req, j).0.expect("reserve");
+        if settle {
+            let usage = Usage {
+                amounts: Amounts::new().with(Dimension::TOKENS, 3),
+                ..Usage::default()
+            };
+            l.settle_journaled(now, id, &usage, j).expect("settle");
+        }
+    };
+    // Past the size from which a snapshot copies on several threads.
+    let mut rng = Rng(7);
+    for i in 0..52_000 {
+        pair(&ledger, &changes, &mut rng, i % 4 != 0);
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..2u64)
+        .map(|w| {
+            let (ledger, changes, stop) = (ledger.clone(), changes.clone(), stop.clone());
+            let pair = pair.clone();
+            thread::spawn(move || {
+                let mut rng = Rng(100 + w);
+                let mut i = 0u64;
+                while !stop.load(Ordering::Relaxed) || i < 200 {
+                    pair(&ledger, &changes, &mut rng, i % 3 != 0);
+                    i += 1;
+                }
+            })
+        })
+        .collect();
+    let rounds = env_or("ALLOWANCE_STRESS_ROUNDS", 200).div_ceil(100).max(2);
+    let mut cuts = Vec::new();
+    for _ in 0..rounds {
+        let (at_cut, snapshot) = ledger.snapshot_with(|| changes.0.lock().expect("journal").len());
+        cuts.push((at_cut, snapshot));
+        thread::sleep(std::time::Duration::from_millis(5));
+    }
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.join().expect("worker");
+    }
+    let log = changes.0.lock().expect("journal").clone();
+    for (at_cut, snapshot) in cuts {
+        let mut expected: HashMap<ReservationId, Status> = HashMap::new();
+        for (id, status) in &log[..at_cut] {
+            expected.insert(*id, *status);
+        }
+        let restored = SharedLedger::from_snapshot(snapshot, 16).expect("restore");
+        assert_eq!(restored.known_reservations().len(), expected.len(), "cut at {at_cut}");
+        // Everything after the cut: absent, or as it was at the cut.
+        for (id, _) in &log[at_cut..] {
+            let found = restored.get(now, *id).map(|r| r.status);
+            assert_eq!(found, expected.get(id).copied(), "{id:?}, cut at {at_cut}");
+        }
+        for (id, status) in &expected {
+            let found = restored.get(now, *id).map(|r| r.status);
+            assert_eq!(found, Some(*status), "{id:?}, cut at {at_cut}");
+        }
+    }
+}
