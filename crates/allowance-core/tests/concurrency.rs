@@ -1232,7 +1232,9 @@ fn snapshots_amid_traffic_are_the_ledger_at_their_cuts() {
     )
     .expect("plan");
     catalog.set_plan(open);
-    catalog.set_kind("tenant", Some("open"), false).expect("kind");
+    catalog
+        .set_kind("tenant", Some("open"), false)
+        .expect("kind");
     catalog.set_kind("user", Some("open"), false).expect("kind");
     catalog.set_kind("tool", Some("open"), true).expect("kind");
     let ledger = Arc::new(SharedLedger::new(catalog, 16));
@@ -1260,8 +1262,8 @@ fn snapshots_amid_traffic_are_the_ledger_at_their_cuts() {
     };
     // Past the size from which a snapshot copies on several threads.
     let mut rng = Rng(7);
-    for i in 0..52_000 {
-        pair(&ledger, &changes, &mut rng, i % 4 != 0);
+    for i in 0..52_000u64 {
+        pair(&ledger, &changes, &mut rng, !i.is_multiple_of(4));
     }
     let stop = Arc::new(AtomicBool::new(false));
     let workers: Vec<_> = (0..2u64)
@@ -1272,7 +1274,7 @@ fn snapshots_amid_traffic_are_the_ledger_at_their_cuts() {
                 let mut rng = Rng(100 + w);
                 let mut i = 0u64;
                 while !stop.load(Ordering::Relaxed) || i < 200 {
-                    pair(&ledger, &changes, &mut rng, i % 3 != 0);
+                    pair(&ledger, &changes, &mut rng, !i.is_multiple_of(3));
                     i += 1;
                 }
             })
@@ -1296,7 +1298,11 @@ fn snapshots_amid_traffic_are_the_ledger_at_their_cuts() {
             expected.insert(*id, *status);
         }
         let restored = SharedLedger::from_snapshot(snapshot, 16).expect("restore");
-        assert_eq!(restored.known_reservations().len(), expected.len(), "cut at {at_cut}");
+        assert_eq!(
+            restored.known_reservations().len(),
+            expected.len(),
+            "cut at {at_cut}"
+        );
         // Everything after the cut: absent, or as it was at the cut.
         for (id, _) in &log[at_cut..] {
             let found = restored.get(now, *id).map(|r| r.status);
