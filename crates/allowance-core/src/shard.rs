@@ -600,7 +600,7 @@ pub(crate) struct Shard {
     pub(crate) st: ShardState,
     /// A snapshot's cut this shard has not been copied for yet, and the
     /// shard's place in it: whoever locks the shard next copies its state
-    /// there first (see `SharedLedger::lock_shard`).
+    /// there first (see `Padded::lock` in `shared.rs`).
     pub(crate) copy_to: Option<(std::sync::Weak<CopyCut>, usize)>,
 }
 
