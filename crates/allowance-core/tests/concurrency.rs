@@ -10,12 +10,15 @@
 //! `ALLOWANCE_STRESS_ROUNDS` (seed-002 rounds, default 200) and
 //! `ALLOWANCE_STRESS_OPS` (operations per hammering thread, default 3000).
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::thread;
 
 use allowance_core::*;
+use common::Changes;
 
 /// Shards of every ledger here: more than the tenants, so tenants and the
 /// shared scope land in different shards.
@@ -1194,23 +1197,6 @@ fn two_threads_disjoint_hot_and_shared_drain_exactly_to_the_cap() {
     }
 }
 
-/// Records, in commit order (commits run under the shard locks), each
-/// reservation's reserve and settle.
-#[derive(Default)]
-struct Changes(Mutex<Vec<(ReservationId, Status)>>);
-
-impl Journal for Changes {
-    type Ticket = ();
-    fn commit(&self, change: &Committed<'_>, _usage: Vec<UsageEvent>) {
-        let entry = match change {
-            Committed::Reserve { id, .. } => (*id, Status::Held),
-            Committed::Settle { id, .. } => (*id, Status::Settled),
-            _ => return,
-        };
-        self.0.lock().expect("journal").push(entry);
-    }
-}
-
 /// Snapshots taken while threads reserve and settle on many tenants, over
 /// a ledger large enough that the snapshot copies its shards on several
 /// threads: each is the ledger at its cut — every change journaled before
@@ -1283,7 +1269,7 @@ fn snapshots_amid_traffic_are_the_ledger_at_their_cuts() {
     let rounds = env_or("ALLOWANCE_STRESS_ROUNDS", 200).div_ceil(100).max(2);
     let mut cuts = Vec::new();
     for _ in 0..rounds {
-        let (at_cut, snapshot) = ledger.snapshot_with(|| changes.0.lock().expect("journal").len());
+        let (at_cut, snapshot) = ledger.snapshot_with(|| changes.len());
         cuts.push((at_cut, snapshot));
         thread::sleep(std::time::Duration::from_millis(5));
     }
@@ -1291,7 +1277,7 @@ fn snapshots_amid_traffic_are_the_ledger_at_their_cuts() {
     for w in workers {
         w.join().expect("worker");
     }
-    let log = changes.0.lock().expect("journal").clone();
+    let log = changes.so_far();
     for (at_cut, snapshot) in cuts {
         let mut expected: HashMap<ReservationId, Status> = HashMap::new();
         for (id, status) in &log[..at_cut] {

@@ -10,9 +10,12 @@
 
 #![cfg(allowance_shuttle)]
 
+mod common;
+
 use std::sync::Arc;
 
 use allowance_core::*;
+use common::Changes;
 use shuttle::thread;
 
 /// Few shards, so different tenants still share some and every lock order
@@ -377,23 +380,6 @@ fn an_end_racing_the_reserve_of_its_own_id_sees_all_or_nothing() {
     });
 }
 
-/// Records, in commit order (commits happen under the shard locks), which
-/// reservations were reserved and which settled.
-#[derive(Default)]
-struct Changes(std::sync::Mutex<Vec<(ReservationId, Status)>>);
-
-impl Journal for Changes {
-    type Ticket = ();
-    fn commit(&self, change: &Committed<'_>, _usage: Vec<UsageEvent>) {
-        let entry = match change {
-            Committed::Reserve { id, .. } => (*id, Status::Held),
-            Committed::Settle { id, .. } => (*id, Status::Settled),
-            _ => return,
-        };
-        self.0.lock().unwrap().push(entry);
-    }
-}
-
 /// A snapshot taken while two tenants reserve and settle (each on its home
 /// shard and the tool's) is the ledger at its cut: every change committed
 /// before the cut is in it, whole, and none after — whichever shards the
@@ -417,7 +403,7 @@ fn a_snapshot_amid_changes_is_the_ledger_at_its_cut() {
                 })
             })
             .collect();
-        let (at_cut, snapshot) = l.snapshot_with(|| changes.0.lock().unwrap().clone());
+        let (at_cut, snapshot) = l.snapshot_with(|| changes.so_far());
         let ids: Vec<ReservationId> = racers.into_iter().map(|r| r.join().unwrap()).collect();
         let restored = SharedLedger::from_snapshot(snapshot, SHARDS).unwrap();
         for id in ids {

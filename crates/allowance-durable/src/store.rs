@@ -675,7 +675,7 @@ fn recover(
     // The main log is replayed whole right after (from the snapshot on), and
     // the replay checks every record it reads as open would: open checks
     // only the last segment, so the log is read and checked once, not
-    // twice (a tenth of the start-up at a million records).
+    // twice (an eighth of the start-up at a million records, measured).
     let main_opts = WalOptions {
         defer_sealed_checks: true,
         ..inner.opts.wal.clone()

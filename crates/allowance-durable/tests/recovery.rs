@@ -150,7 +150,7 @@ const SEGMENT_BYTES: u64 = allowance_wal::DEFAULT_SEGMENT_BYTES;
 
 /// A store of the test's shape on `dir` through `fs`, its log rolling
 /// segments at `segment_bytes`.
-async fn open_store(
+async fn open_store_segmented(
     dir: &Path,
     fs: Arc<dyn FileSystem>,
     shards: usize,
@@ -173,6 +173,18 @@ async fn open_store(
         |_| {},
     )
     .await
+}
+
+/// [`open_store_segmented`] with the log's default segment size.
+async fn open_store(
+    dir: &Path,
+    fs: Arc<dyn FileSystem>,
+    shards: usize,
+    snapshot_every: u64,
+    clock: &Arc<ManualClock>,
+    ids: &Arc<SeededIds>,
+) -> Result<(DurableStore, OpenReport), OpenError> {
+    open_store_segmented(dir, fs, shards, snapshot_every, SEGMENT_BYTES, clock, ids).await
 }
 
 /// A test's empty data dir, a clock at [`START_MS`], ids seeded with
@@ -202,7 +214,7 @@ async fn write_pairs(
     ids: &Arc<SeededIds>,
     pairs: u64,
 ) {
-    let (store, _) = open_store(dir, fs.clone(), 4, u64::MAX, SEGMENT_BYTES, clock, ids)
+    let (store, _) = open_store(dir, fs.clone(), 4, u64::MAX, clock, ids)
         .await
         .expect("open");
     let catalog = catalogs::standard();
@@ -228,7 +240,7 @@ async fn open_when_free(
 ) -> Result<(DurableStore, OpenReport), OpenError> {
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     loop {
-        match open_store(
+        match open_store_segmented(
             dir,
             fs.clone(),
             shards,
@@ -390,7 +402,7 @@ proptest! {
         let rt = runtime();
         rt.block_on(async {
             let (dir, clock, ids, fs) = setup(42);
-            let (mut store, _) = open_store(dir.path(), fs.clone(), shards, snapshot_every, segment_bytes, &clock, &ids)
+            let (mut store, _) = open_store_segmented(dir.path(), fs.clone(), shards, snapshot_every, segment_bytes, &clock, &ids)
                 .await
                 .expect("open");
             // A reopen mid-history: `run` closes the old store first (one
@@ -452,11 +464,11 @@ proptest! {
         rt.block_on(async {
             let (dir, clock, ids, fs) = setup(43);
             // No snapshots: the main log holds everything to regenerate from.
-            let (mut store, _) = open_store(dir.path(), fs.clone(), shards, u64::MAX, segment_bytes, &clock, &ids)
+            let (mut store, _) = open_store_segmented(dir.path(), fs.clone(), shards, u64::MAX, segment_bytes, &clock, &ids)
                 .await
                 .expect("open");
             let mut reopen = async || {
-                open_store(dir.path(), fs.clone(), shards, u64::MAX, segment_bytes, &clock, &ids)
+                open_store_segmented(dir.path(), fs.clone(), shards, u64::MAX, segment_bytes, &clock, &ids)
                     .await
                     .expect("reopen")
                     .0
@@ -483,7 +495,7 @@ proptest! {
                 let f = std::fs::OpenOptions::new().write(true).open(&last).expect("open");
                 f.set_len(keep).expect("cut");
             }
-            let (store, report) = open_store(dir.path(), fs.clone(), shards, u64::MAX, segment_bytes, &clock, &ids)
+            let (store, report) = open_store_segmented(dir.path(), fs.clone(), shards, u64::MAX, segment_bytes, &clock, &ids)
                 .await
                 .expect("reopen");
             prop_assert!(report.divergences.is_empty(), "{:?}", report.divergences);
@@ -522,7 +534,7 @@ fn faults_below_the_log_lose_nothing_acknowledged() {
         let ids = Arc::new(SeededIds::new(7));
         let faulty = FaultyFs::new();
         let fs: Arc<dyn FileSystem> = Arc::new(faulty.clone());
-        let (store, _) = open_store(dir.path(), fs.clone(), 4, 25, SEGMENT_BYTES, &clock, &ids)
+        let (store, _) = open_store(dir.path(), fs.clone(), 4, 25, &clock, &ids)
             .await
             .expect("open");
         let catalog = catalogs::standard();
@@ -679,29 +691,13 @@ fn torn_tail_corruption_and_a_second_process() {
     rt.block_on(async {
         let (dir, clock, ids, fs) = setup(9);
         let catalog = catalogs::standard();
-        let (store, _) = open_store(
-            dir.path(),
-            fs.clone(),
-            4,
-            u64::MAX,
-            SEGMENT_BYTES,
-            &clock,
-            &ids,
-        )
-        .await
-        .expect("open");
+        let (store, _) = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
+            .await
+            .expect("open");
         // A second store on the same data dir is refused, naming it.
-        let err = open_store(
-            dir.path(),
-            fs.clone(),
-            4,
-            u64::MAX,
-            SEGMENT_BYTES,
-            &clock,
-            &ids,
-        )
-        .await
-        .expect_err("the dir is taken");
+        let err = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
+            .await
+            .expect_err("the dir is taken");
         let message = err.to_string();
         assert!(message.contains("in use"), "{message}");
         assert!(
@@ -723,17 +719,9 @@ fn torn_tail_corruption_and_a_second_process() {
         // A torn tail: half a record at the end.
         let full = std::fs::read(&segment).expect("read");
         std::fs::write(&segment, &full[..full.len() - 7]).expect("tear");
-        let (store, report) = open_store(
-            dir.path(),
-            fs.clone(),
-            4,
-            u64::MAX,
-            SEGMENT_BYTES,
-            &clock,
-            &ids,
-        )
-        .await
-        .expect("a torn tail is not an error");
+        let (store, report) = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
+            .await
+            .expect("a torn tail is not an error");
         let torn = report.torn_tail.clone().expect("reported");
         assert_eq!(torn.file, segment);
         // The torn record was the last reserve: everything before it is kept.
@@ -748,17 +736,9 @@ fn torn_tail_corruption_and_a_second_process() {
         let at = bytes.len() / 2;
         bytes[at] ^= 0x40;
         std::fs::write(&segment, &bytes).expect("damage");
-        let err = open_store(
-            dir.path(),
-            fs.clone(),
-            4,
-            u64::MAX,
-            SEGMENT_BYTES,
-            &clock,
-            &ids,
-        )
-        .await
-        .expect_err("corruption stops start-up");
+        let err = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
+            .await
+            .expect_err("corruption stops start-up");
         let message = err.to_string();
         assert!(
             message.contains(&segment.display().to_string()) && message.contains("byte "),
@@ -776,22 +756,8 @@ fn damage_in_a_finished_segment_stops_start_up() {
     rt.block_on(async {
         let (dir, clock, ids, fs) = setup(10);
         let catalog = catalogs::standard();
-        let open = || {
-            let mut opts = DurableOptions::new(dir.path());
-            opts.shards = 4;
-            opts.snapshot_every_records = u64::MAX;
-            opts.wal.fsync = Fsync::Always;
-            // A few records a segment: 60 records fill several.
-            opts.wal.segment_bytes = 1024;
-            DurableStore::open(
-                catalogs::standard(),
-                opts,
-                fs.clone(),
-                clock.clone(),
-                ids.clone(),
-                |_| {},
-            )
-        };
+        // A few records a segment: 60 records fill several.
+        let open = || open_store_segmented(dir.path(), fs.clone(), 4, u64::MAX, 1024, &clock, &ids);
         let (store, _) = open().await.expect("open");
         // Each reserve settled, so the tenants' concurrency limits never bite.
         let mut granted = Vec::new();
@@ -859,17 +825,9 @@ fn admin_changes_survive_and_win_over_the_file() {
     let rt = runtime();
     rt.block_on(async {
         let (dir, clock, ids, fs) = setup(11);
-        let (store, _) = open_store(
-            dir.path(),
-            fs.clone(),
-            4,
-            u64::MAX,
-            SEGMENT_BYTES,
-            &clock,
-            &ids,
-        )
-        .await
-        .expect("open");
+        let (store, _) = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
+            .await
+            .expect("open");
         let acme = ScopeKey::tenant("acme").expect("valid");
         store
             .change_catalog(&CatalogChange::SetOverride(
@@ -881,17 +839,9 @@ fn admin_changes_survive_and_win_over_the_file() {
         store.close().await.expect("close");
 
         // Same file: the override is back.
-        let (store, report) = open_store(
-            dir.path(),
-            fs.clone(),
-            4,
-            u64::MAX,
-            SEGMENT_BYTES,
-            &clock,
-            &ids,
-        )
-        .await
-        .expect("reopen");
+        let (store, report) = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
+            .await
+            .expect("reopen");
         assert!(!report.config_changed);
         assert_eq!(report.admin_changes, vec![format!("override on {acme}")]);
         let status = store.status(&acme).await.expect("status");
@@ -965,17 +915,9 @@ fn an_undecodable_record_stops_start_up_with_its_lsn() {
             let lsn = wal.append(&[1, 0xff, 0xff, 0xff]).expect("append");
             assert_eq!(lsn, recovered.last_lsn + 1);
             wal.close().expect("close the log");
-            let err = open_store(
-                dir.path(),
-                fs.clone(),
-                4,
-                u64::MAX,
-                SEGMENT_BYTES,
-                &clock,
-                &ids,
-            )
-            .await
-            .expect_err("an undecodable record stops start-up");
+            let err = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
+                .await
+                .expect_err("an undecodable record stops start-up");
             let message = err.to_string();
             assert!(
                 message.contains(&format!("lsn {lsn}")) && message.contains("undecodable"),
@@ -1016,17 +958,9 @@ fn a_record_the_applier_refuses_stops_start_up_with_its_lsn() {
             wal.append(payload).expect("append");
         }
         wal.close().expect("close the new log");
-        let err = open_store(
-            headless.path(),
-            fs.clone(),
-            4,
-            u64::MAX,
-            SEGMENT_BYTES,
-            &clock,
-            &ids,
-        )
-        .await
-        .expect_err("a log without its configuration stops start-up");
+        let err = open_store(headless.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
+            .await
+            .expect_err("a log without its configuration stops start-up");
         let message = err.to_string();
         assert!(
             message.contains("lsn 1:") && message.contains("configuration"),
@@ -1043,17 +977,9 @@ fn decided_reserves_are_durable_once_awaited() {
     let rt = runtime();
     rt.block_on(async {
         let (dir, clock, ids, fs) = setup(12);
-        let (store, _) = open_store(
-            dir.path(),
-            fs.clone(),
-            4,
-            u64::MAX,
-            SEGMENT_BYTES,
-            &clock,
-            &ids,
-        )
-        .await
-        .expect("open");
+        let (store, _) = open_store(dir.path(), fs.clone(), 4, u64::MAX, &clock, &ids)
+            .await
+            .expect("open");
         let catalog = catalogs::standard();
         let mut decided = Vec::new();
         for i in 0..3 {
@@ -1077,7 +1003,7 @@ fn decided_reserves_are_durable_once_awaited() {
         }
         store.close().await.expect("close");
 
-        let (store, _) = open_store(dir.path(), fs, 4, u64::MAX, SEGMENT_BYTES, &clock, &ids)
+        let (store, _) = open_store(dir.path(), fs, 4, u64::MAX, &clock, &ids)
             .await
             .expect("reopen");
         for id in ids_held {
