@@ -29,6 +29,12 @@ const EIO: i32 = 5;
 ///   never fsynced (but a chosen number of bytes: a torn write), and every
 ///   operation fails until [`recover`](FaultyFs::recover) — through a file
 ///   opened before the crash, for good (its process died with the power).
+/// - [`crash_scattered`](FaultyFs::crash_scattered): a power loss that
+///   keeps a random half of the unsynced blocks written over a file's
+///   synced bytes, in no order (the file's size stays what was synced).
+///
+/// Bytes written over synced ones and lost in a crash read back as zeros:
+/// the model of a log that only ever writes over zeros it synced ahead.
 ///
 /// Like Linux, a failed fsync does not keep the data for a later one: the
 /// bytes it should have made durable are lost at the next crash even if a
@@ -73,6 +79,34 @@ struct Track {
     synced_len: u64,
     /// Ranges a failed fsync gave up on: zeros after a crash.
     lost: Vec<(u64, u64)>,
+    /// Ranges below `synced_len` written since the last fsync: each of
+    /// their pages may or may not survive a crash.
+    dirty: Vec<(u64, u64)>,
+}
+
+/// What a crash keeps of the bytes not yet fsynced.
+#[derive(Clone, Copy)]
+enum Survivors {
+    /// The first this many, in file order (a torn sequential write).
+    Prefix(u64),
+    /// Each block of this many bytes written over synced bytes with even
+    /// odds (a seeded choice); nothing past the synced size.
+    Scattered { seed: u64, block_bytes: u64 },
+}
+
+/// Cuts `ranges` at `len` (a file truncated there), dropping empty ones.
+fn trim_ranges(ranges: &mut Vec<(u64, u64)>, len: u64) {
+    ranges.retain_mut(|range| {
+        range.1 = range.1.min(len);
+        range.0 < range.1
+    });
+}
+
+/// A well-mixed 64-bit hash (splitmix64's finaliser), for seeded choices.
+fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
 }
 
 /// Counts of the operations that went through a [`FaultyFs`].
@@ -135,6 +169,24 @@ impl FaultyFs {
     /// [`recover`](FaultyFs::recover) — on files opened before the crash,
     /// for good. Drop the `Wal` after this, then recover.
     pub fn crash(&self, keep_unsynced_bytes: u64) -> io::Result<()> {
+        self.lose_power(Survivors::Prefix(keep_unsynced_bytes))
+    }
+
+    /// A power loss like [`crash`](FaultyFs::crash), but the blocks of
+    /// `block_bytes` (a page of 4096, a sector of 512, or smaller to make
+    /// more holes) written over synced bytes since the last fsync survive
+    /// or not each on its own (a coin seeded by `seed`), as a disk may
+    /// write them in any order; bytes past the synced size are lost. The
+    /// worst case for a log written over zeros: holes before surviving
+    /// records.
+    pub fn crash_scattered(&self, seed: u64, block_bytes: u64) -> io::Result<()> {
+        self.lose_power(Survivors::Scattered {
+            seed,
+            block_bytes: block_bytes.max(1),
+        })
+    }
+
+    fn lose_power(&self, survivors: Survivors) -> io::Result<()> {
         let mut state = self.inner.state.lock();
         state.crashed = true;
         state.crashes += 1;
@@ -150,13 +202,41 @@ impl FaultyFs {
                 Err(e) => return Err(e),
             };
             let len = file.metadata()?.len();
-            let keep = len.min(track.synced_len.saturating_add(keep_unsynced_bytes));
-            file.set_len(keep)?;
-            for &(start, end) in &track.lost {
-                let end = end.min(keep);
+            let mut dirty = std::mem::take(&mut track.dirty);
+            dirty.sort_unstable();
+            let zero = |start: u64, end: u64| -> io::Result<()> {
                 if start < end {
                     file.write_all_at(&vec![0u8; (end - start) as usize], start)?;
                 }
+                Ok(())
+            };
+            let keep = match survivors {
+                Survivors::Prefix(mut budget) => {
+                    for &(start, end) in &dirty {
+                        let kept = budget.min(end - start);
+                        budget -= kept;
+                        zero(start + kept, end)?;
+                    }
+                    len.min(track.synced_len.saturating_add(budget))
+                }
+                Survivors::Scattered { seed, block_bytes } => {
+                    for &(start, end) in &dirty {
+                        let mut block = start / block_bytes;
+                        while block * block_bytes < end {
+                            let lost = mix(seed ^ mix(*id ^ mix(block))) & 1 == 0;
+                            if lost {
+                                let from = (block * block_bytes).max(start);
+                                zero(from, ((block + 1) * block_bytes).min(end))?;
+                            }
+                            block += 1;
+                        }
+                    }
+                    len.min(track.synced_len)
+                }
+            };
+            file.set_len(keep)?;
+            for &(start, end) in &track.lost {
+                zero(start, end.min(keep))?;
             }
             file.sync_all()?;
             track.synced_len = keep;
@@ -207,7 +287,7 @@ impl FaultyFs {
             id,
             Track {
                 synced_len,
-                lost: Vec::new(),
+                ..Track::default()
             },
         );
         id
@@ -230,7 +310,7 @@ impl FaultState {
 }
 
 impl WalFile for FaultyFile {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+    fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<usize> {
         let mut state = self.fs.inner.state.lock();
         if state.is_dead(self.opened_after) {
             return Err(os_error(EIO));
@@ -252,8 +332,13 @@ impl WalFile for FaultyFile {
             }
             len = len.min(usize::try_from(free).unwrap_or(usize::MAX));
         }
-        let written = self.inner.write(&buf[..len])?;
+        let written = self.inner.write_at(&buf[..len], offset)?;
         state.stats.bytes_written += written as u64;
+        let track = state.tracks.entry(self.id).or_default();
+        let over_synced = (offset + written as u64).min(track.synced_len);
+        if offset < over_synced {
+            track.dirty.push((offset, over_synced));
+        }
         if let Some(free) = state.free_bytes.as_mut() {
             *free -= written as u64;
         }
@@ -275,6 +360,8 @@ impl WalFile for FaultyFile {
                     let lost = (track.synced_len, len);
                     track.lost.push(lost);
                 }
+                let dirty = std::mem::take(&mut track.dirty);
+                track.lost.extend(dirty);
                 return Err(os_error(EIO));
             }
             state.sync_delay
@@ -289,7 +376,9 @@ impl WalFile for FaultyFile {
         if state.is_dead(self.opened_after) {
             return Err(os_error(EIO));
         }
-        state.tracks.entry(self.id).or_default().synced_len = len;
+        let track = state.tracks.entry(self.id).or_default();
+        track.synced_len = len;
+        track.dirty.clear();
         Ok(())
     }
 
@@ -301,10 +390,8 @@ impl WalFile for FaultyFile {
         let mut state = self.fs.inner.state.lock();
         let track = state.tracks.entry(self.id).or_default();
         track.synced_len = track.synced_len.min(len);
-        track.lost.retain_mut(|range| {
-            range.1 = range.1.min(len);
-            range.0 < range.1
-        });
+        trim_ranges(&mut track.lost, len);
+        trim_ranges(&mut track.dirty, len);
         Ok(())
     }
 
@@ -346,9 +433,9 @@ impl FileSystem for FaultyFs {
         }))
     }
 
-    fn open_append(&self, path: &Path) -> io::Result<Box<dyn WalFile>> {
+    fn open_write(&self, path: &Path) -> io::Result<Box<dyn WalFile>> {
         self.check_alive()?;
-        let inner = self.inner.real.open_append(path)?;
+        let inner = self.inner.real.open_write(path)?;
         let id = self.track(path, false);
         Ok(Box::new(FaultyFile {
             inner,

@@ -2,8 +2,14 @@
 //!
 //! A segment file is `{first_lsn:020}.wal`: an 8-byte header (`ALWWAL` and
 //! the format version, u16 LE) followed by records, each
-//! `[len u32 LE][crc32c u32 LE over lsn+payload][lsn u64 LE][payload]`,
-//! where `len` is the payload's length. A snapshot file is
+//! `[len u32 LE][crc32c u32 LE over the rest][lsn u64 LE][synced u64 LE][payload]`,
+//! where `len` is the payload's length and `synced` the lsn up to which the
+//! log was fsynced when the writer wrote the record (version 2). A later
+//! record stamped at or past a damaged one's lsn proves that the damaged one
+//! had been made durable: damage, not a torn write — the proof that lets the
+//! log be written over zeros synced in advance, whose pages a power loss may
+//! leave in any order. Version 1 records (`[len][crc over lsn+payload][lsn]
+//! [payload]`, no stamp) still read. A snapshot file is
 //! `snapshot-{lsn:020}.snap`: `ALWSNP`, the version (u16 LE), the lsn
 //! (u64 LE), the payload's length (u64 LE), a crc32c (u32 LE) over those
 //! two fields and the payload, then the payload.
@@ -16,16 +22,38 @@ use crate::Lsn;
 pub(crate) const SEGMENT_MAGIC: &[u8; 6] = b"ALWWAL";
 /// The magic that opens every snapshot file.
 pub(crate) const SNAPSHOT_MAGIC: &[u8; 6] = b"ALWSNP";
-/// The format version this build writes and reads.
-pub(crate) const FORMAT_VERSION: u16 = 1;
+/// The segment format version this build writes.
+pub(crate) const FORMAT_VERSION: u16 = 2;
+/// The snapshot file's format version (unchanged since the first).
+const SNAPSHOT_VERSION: u16 = 1;
 /// Bytes of a segment file's header.
 pub(crate) const SEGMENT_HEADER_BYTES: u64 = 8;
-/// Bytes of a record's header (len, crc, lsn).
-pub(crate) const RECORD_HEADER_BYTES: usize = 16;
+/// Bytes of a record's header as this build writes it (len, crc, lsn, synced).
+pub(crate) const RECORD_HEADER_BYTES: usize = 24;
 /// Where a record's crc32c sits, from the record's start.
 const CRC_OFFSET: usize = 4;
 /// Where a record's lsn sits: the checksum covers from here to the end.
 const LSN_OFFSET: usize = 8;
+/// Where a version 2 record's stamp (the synced lsn) sits.
+const SYNCED_OFFSET: usize = 16;
+
+/// How a segment's records are laid out, by its format version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Layout {
+    /// Version 1: no stamp; any valid record after a bad one proves damage.
+    V1,
+    /// Version 2: records stamped with the synced lsn.
+    V2,
+}
+
+impl Layout {
+    fn header_bytes(self) -> usize {
+        match self {
+            Layout::V1 => 16,
+            Layout::V2 => RECORD_HEADER_BYTES,
+        }
+    }
+}
 /// Bytes of a snapshot file's header.
 pub(crate) const SNAPSHOT_HEADER_BYTES: usize = 28;
 
@@ -42,8 +70,9 @@ pub(crate) fn segment_header() -> [u8; SEGMENT_HEADER_BYTES as usize] {
     header
 }
 
-/// Checks a segment file's header; the error says what is wrong with it.
-pub(crate) fn check_segment_header(data: &[u8]) -> Result<(), String> {
+/// Checks a segment file's header and says how its records are laid out;
+/// the error says what is wrong with it.
+pub(crate) fn check_segment_header(data: &[u8]) -> Result<Layout, String> {
     if data.len() < SEGMENT_HEADER_BYTES as usize {
         return Err(format!(
             "the file is {} bytes, shorter than the {SEGMENT_HEADER_BYTES}-byte segment header",
@@ -53,36 +82,50 @@ pub(crate) fn check_segment_header(data: &[u8]) -> Result<(), String> {
     if &data[..6] != SEGMENT_MAGIC {
         return Err("bad magic: not an allowance write-ahead log segment".to_owned());
     }
-    let version = u16::from_le_bytes([data[6], data[7]]);
-    if version != FORMAT_VERSION {
-        return Err(format!(
-            "segment format version {version}, this build reads version {FORMAT_VERSION}"
-        ));
+    match u16::from_le_bytes([data[6], data[7]]) {
+        1 => Ok(Layout::V1),
+        FORMAT_VERSION => Ok(Layout::V2),
+        version => Err(format!(
+            "segment format version {version}, this build reads versions 1 to {FORMAT_VERSION}"
+        )),
     }
-    Ok(())
 }
 
-/// The checksum stored in a record: crc32c over the lsn (LE) then the
-/// payload, which a record holds side by side (`lsn_and_payload`), so one
-/// pass computes it: a second call per record was a measurable part of
-/// reading a log of small records.
-fn record_crc(lsn_and_payload: &[u8]) -> u32 {
-    crc32c::crc32c(lsn_and_payload)
+/// The checksum stored in a record: crc32c over everything after it (the
+/// lsn, the stamp in version 2, the payload), which a record holds side by
+/// side, so one pass computes it: a second call per record was a
+/// measurable part of reading a log of small records.
+fn record_crc(covered: &[u8]) -> u32 {
+    crc32c::crc32c(covered)
 }
 
-/// Appends one encoded record to `out`. The caller has checked the
-/// payload's length against [`MAX_RECORD_BYTES`].
+/// Appends one record to `out`, unsealed: its stamp and checksum are
+/// written by [`seal_records`] when the writer writes it, since only the
+/// writer knows what is synced then. The caller has checked the payload's
+/// length against [`MAX_RECORD_BYTES`].
 pub(crate) fn encode_record(out: &mut Vec<u8>, lsn: Lsn, payload: &[u8]) {
     // The length fits: MAX_RECORD_BYTES is far below u32::MAX.
     let len = payload.len() as u32;
     out.reserve(RECORD_HEADER_BYTES + payload.len());
-    let start = out.len();
     out.extend_from_slice(&len.to_le_bytes());
     out.extend_from_slice(&[0; 4]);
     out.extend_from_slice(&lsn.to_le_bytes());
+    out.extend_from_slice(&[0; 8]);
     out.extend_from_slice(payload);
-    let crc = record_crc(&out[start + LSN_OFFSET..]);
-    out[start + CRC_OFFSET..start + LSN_OFFSET].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// Stamps every record [`encode_record`] put in `records` with `synced`
+/// (every record up to that lsn is fsynced) and writes its checksum.
+pub(crate) fn seal_records(records: &mut [u8], synced: Lsn) {
+    let mut at = 0;
+    while at + RECORD_HEADER_BYTES <= records.len() {
+        let end = at + RECORD_HEADER_BYTES + u32_at(records, at) as usize;
+        records[at + SYNCED_OFFSET..at + RECORD_HEADER_BYTES]
+            .copy_from_slice(&synced.to_le_bytes());
+        let crc = record_crc(&records[at + LSN_OFFSET..end]);
+        records[at + CRC_OFFSET..at + LSN_OFFSET].copy_from_slice(&crc.to_le_bytes());
+        at = end;
+    }
 }
 
 /// Why the bytes at some offset are not a valid record.
@@ -132,6 +175,9 @@ impl fmt::Display for BadRecord {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Record<'a> {
     pub(crate) lsn: Lsn,
+    /// The log was fsynced up to here when the record was written (`None`
+    /// in a version 1 segment).
+    pub(crate) synced: Option<Lsn>,
     pub(crate) payload: &'a [u8],
     /// Offset just past the record.
     pub(crate) end: usize,
@@ -150,16 +196,21 @@ fn u64_at(data: &[u8], at: usize) -> u64 {
 }
 
 /// Parses and verifies the record starting at `at` (which is `< data.len()`).
-pub(crate) fn parse_record(data: &[u8], at: usize) -> Result<Record<'_>, BadRecord> {
+pub(crate) fn parse_record(
+    data: &[u8],
+    at: usize,
+    layout: Layout,
+) -> Result<Record<'_>, BadRecord> {
+    let header = layout.header_bytes();
     let remaining = (data.len() - at) as u64;
-    if remaining < RECORD_HEADER_BYTES as u64 {
+    if remaining < header as u64 {
         return Err(BadRecord::Partial {
-            needed: RECORD_HEADER_BYTES as u64,
+            needed: header as u64,
             remaining,
         });
     }
     let len = u64::from(u32_at(data, at));
-    let needed = RECORD_HEADER_BYTES as u64 + len;
+    let needed = header as u64 + len;
     // A length running past the end is reported as partial before it is
     // judged too large: a torn header's length field is arbitrary.
     if needed > remaining {
@@ -170,33 +221,70 @@ pub(crate) fn parse_record(data: &[u8], at: usize) -> Result<Record<'_>, BadReco
     }
     let stored = u32_at(data, at + CRC_OFFSET);
     let lsn = u64_at(data, at + LSN_OFFSET);
-    let start = at + RECORD_HEADER_BYTES;
+    let start = at + header;
     let end = start + len as usize;
     let payload = &data[start..end];
     let computed = record_crc(&data[at + LSN_OFFSET..end]);
     if stored != computed {
         return Err(BadRecord::Checksum { stored, computed });
     }
-    Ok(Record { lsn, payload, end })
+    let synced = (layout == Layout::V2).then(|| u64_at(data, at + SYNCED_OFFSET));
+    Ok(Record {
+        lsn,
+        synced,
+        payload,
+        end,
+    })
 }
 
-/// Finds a valid record with an lsn of at least `min_lsn` that starts after
-/// `bad_at`: proof that the damage at `bad_at` is not a torn tail.
+/// Whether `bytes` are all zeros: in a version 2 segment, the unwritten
+/// room synced ahead of the records, a clean end.
+pub(crate) fn all_zeros(bytes: &[u8]) -> bool {
+    // Word by word: a segment may end in megabytes of them.
+    let words = bytes.chunks_exact(8);
+    let tail = words.remainder();
+    words
+        .map(|w| u64::from_ne_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
+        .all(|w| w == 0)
+        && tail.iter().all(|&b| b == 0)
+}
+
+/// Finds a valid record after `bad_at` proving that the bad record there,
+/// which should have had lsn `min_lsn`, is damage and not a torn tail: one
+/// with an lsn of at least `min_lsn` that, in a version 2 segment, was
+/// written after `min_lsn` was synced (its stamp is at least `min_lsn`).
+/// Records stamped lower were written in the same unsynced stretch as the
+/// bad one, which a power loss may have left with holes: they prove
+/// nothing, and the scan goes on past them.
 ///
 /// Every byte position is tried; the lsn field filters candidates before the
 /// checksum is computed, so the scan costs little more than reading.
-pub(crate) fn valid_record_after(data: &[u8], bad_at: usize, min_lsn: Lsn) -> Option<(usize, Lsn)> {
-    let last_start = data.len().checked_sub(RECORD_HEADER_BYTES)?;
+pub(crate) fn valid_record_after(
+    data: &[u8],
+    bad_at: usize,
+    min_lsn: Lsn,
+    layout: Layout,
+) -> Option<(usize, Lsn)> {
+    let last_start = data.len().checked_sub(layout.header_bytes())?;
     // LSNs are dense, so a genuine later record cannot be further ahead
     // than one per header's worth of bytes.
     let max_lsn = min_lsn.saturating_add(data.len() as u64);
-    (bad_at + 1..=last_start).find_map(|at| {
+    let mut at = bad_at + 1;
+    while at <= last_start {
         let lsn = u64_at(data, at + LSN_OFFSET);
         if lsn < min_lsn || lsn > max_lsn {
-            return None;
+            at += 1;
+            continue;
         }
-        parse_record(data, at).ok().map(|record| (at, record.lsn))
-    })
+        match parse_record(data, at, layout) {
+            Ok(record) if record.synced.is_none_or(|synced| synced >= min_lsn) => {
+                return Some((at, record.lsn));
+            }
+            Ok(record) => at = record.end,
+            Err(_) => at += 1,
+        }
+    }
+    None
 }
 
 /// The name of the segment whose first record is `first_lsn`.
@@ -238,7 +326,7 @@ fn snapshot_crc(lsn: Lsn, payload: &[u8]) -> u32 {
 pub(crate) fn encode_snapshot(lsn: Lsn, payload: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(SNAPSHOT_HEADER_BYTES + payload.len());
     out.extend_from_slice(SNAPSHOT_MAGIC);
-    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&SNAPSHOT_VERSION.to_le_bytes());
     out.extend_from_slice(&lsn.to_le_bytes());
     out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
     out.extend_from_slice(&snapshot_crc(lsn, payload).to_le_bytes());
@@ -262,10 +350,12 @@ pub(crate) fn decode_snapshot(data: &[u8], named_lsn: Lsn) -> Result<Vec<u8>, (u
         return Err((0, "bad magic: not an allowance snapshot".to_owned()));
     }
     let version = u16::from_le_bytes([data[6], data[7]]);
-    if version != FORMAT_VERSION {
+    if version != SNAPSHOT_VERSION {
         return Err((
             6,
-            format!("snapshot format version {version}, this build reads version {FORMAT_VERSION}"),
+            format!(
+                "snapshot format version {version}, this build reads version {SNAPSHOT_VERSION}"
+            ),
         ));
     }
     let lsn = u64_at(data, 8);
@@ -303,31 +393,123 @@ mod tests {
     fn a_record_round_trips_and_any_flipped_bit_is_caught() {
         let mut buf = Vec::new();
         encode_record(&mut buf, 7, b"hello");
-        let record = parse_record(&buf, 0).expect("valid");
+        seal_records(&mut buf, 5);
+        let record = parse_record(&buf, 0, Layout::V2).expect("valid");
         assert_eq!(
-            (record.lsn, record.payload, record.end),
-            (7, &b"hello"[..], buf.len())
+            (record.lsn, record.synced, record.payload, record.end),
+            (7, Some(5), &b"hello"[..], buf.len())
         );
         for byte in 0..buf.len() {
             for bit in 0..8 {
                 let mut damaged = buf.clone();
                 damaged[byte] ^= 1 << bit;
-                assert!(parse_record(&damaged, 0).is_err(), "byte {byte} bit {bit}");
+                assert!(
+                    parse_record(&damaged, 0, Layout::V2).is_err(),
+                    "byte {byte} bit {bit}"
+                );
             }
         }
     }
 
     #[test]
-    fn the_checksum_is_crc32c_of_the_lsn_then_the_payload() {
-        // The format's definition, computed the long way: logs written
-        // before the one-pass computation must still read.
+    fn sealing_stamps_and_checksums_every_record_of_a_batch() {
+        let mut buf = Vec::new();
+        for (lsn, payload) in [(3, &b"a"[..]), (4, b""), (5, b"three")] {
+            encode_record(&mut buf, lsn, payload);
+        }
+        // Unsealed records never pass for valid ones.
+        assert!(parse_record(&buf, 0, Layout::V2).is_err());
+        seal_records(&mut buf, 2);
+        let mut at = 0;
+        for (lsn, payload) in [(3, &b"a"[..]), (4, b""), (5, b"three")] {
+            let record = parse_record(&buf, at, Layout::V2).expect("valid");
+            assert_eq!(
+                (record.lsn, record.synced, record.payload),
+                (lsn, Some(2), payload)
+            );
+            at = record.end;
+        }
+        assert_eq!(at, buf.len());
+    }
+
+    #[test]
+    fn the_checksum_is_crc32c_of_the_lsn_the_stamp_then_the_payload() {
         let mut buf = Vec::new();
         encode_record(&mut buf, 0x0102_0304_0506_0708, b"payload");
-        let expected = crc32c::crc32c_append(
-            crc32c::crc32c(&0x0102_0304_0506_0708u64.to_le_bytes()),
-            b"payload",
+        seal_records(&mut buf, 9);
+        let mut covered = 0x0102_0304_0506_0708u64.to_le_bytes().to_vec();
+        covered.extend_from_slice(&9u64.to_le_bytes());
+        covered.extend_from_slice(b"payload");
+        assert_eq!(u32_at(&buf, CRC_OFFSET), crc32c::crc32c(&covered));
+    }
+
+    /// A version 1 record, as logs written before the stamp hold them.
+    fn v1_record(lsn: Lsn, payload: &[u8]) -> Vec<u8> {
+        let mut out = (payload.len() as u32).to_le_bytes().to_vec();
+        let crc = crc32c::crc32c_append(crc32c::crc32c(&lsn.to_le_bytes()), payload);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out.extend_from_slice(&lsn.to_le_bytes());
+        out.extend_from_slice(payload);
+        out
+    }
+
+    #[test]
+    fn version_1_segments_still_read() {
+        let mut v1 = segment_header().to_vec();
+        v1[6..8].copy_from_slice(&1u16.to_le_bytes());
+        assert_eq!(check_segment_header(&v1), Ok(Layout::V1));
+        assert_eq!(check_segment_header(&segment_header()), Ok(Layout::V2));
+        let mut v3 = v1.clone();
+        v3[6] = 3;
+        assert_eq!(
+            check_segment_header(&v3).unwrap_err(),
+            "segment format version 3, this build reads versions 1 to 2"
         );
-        assert_eq!(u32_at(&buf, CRC_OFFSET), expected);
+        let bytes = v1_record(4, b"old");
+        let record = parse_record(&bytes, 0, Layout::V1).expect("valid");
+        assert_eq!(
+            (record.lsn, record.synced, record.payload, record.end),
+            (4, None, &b"old"[..], bytes.len())
+        );
+    }
+
+    /// After a bad record at lsn 5, only a record written once 5 was synced
+    /// proves damage; records of the same unsynced stretch are skipped.
+    #[test]
+    fn only_a_later_stamp_proves_damage() {
+        let mut stretch = vec![0u8; 40];
+        let mut same = Vec::new();
+        encode_record(&mut same, 6, b"same batch");
+        seal_records(&mut same, 4);
+        stretch.extend_from_slice(&same);
+        assert_eq!(valid_record_after(&stretch, 0, 5, Layout::V2), None);
+        let mut later = Vec::new();
+        encode_record(&mut later, 7, b"next batch");
+        seal_records(&mut later, 6);
+        let at = stretch.len();
+        stretch.extend_from_slice(&later);
+        assert_eq!(
+            valid_record_after(&stretch, 0, 5, Layout::V2),
+            Some((at, 7))
+        );
+        // Version 1 has no stamps: any valid later record is proof.
+        let mut old = vec![0u8; 40];
+        old.extend_from_slice(&v1_record(6, b"x"));
+        assert_eq!(valid_record_after(&old, 0, 5, Layout::V1), Some((40, 6)));
+    }
+
+    #[test]
+    fn zeros_are_recognised_to_the_last_byte() {
+        assert!(all_zeros(&[]));
+        for len in [1, 7, 8, 9, 4096, 4099] {
+            let mut bytes = vec![0u8; len];
+            assert!(all_zeros(&bytes), "{len}");
+            for at in [0, len / 2, len - 1] {
+                bytes[at] = 1;
+                assert!(!all_zeros(&bytes), "{len} {at}");
+                bytes[at] = 0;
+            }
+        }
     }
 
     #[test]

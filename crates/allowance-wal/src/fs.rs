@@ -4,13 +4,15 @@
 use std::any::Any;
 use std::fs::{self, File, OpenOptions, TryLockError};
 use std::io::{self, Read, Write};
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 /// An open file the log writes: a segment or a snapshot being written.
 pub trait WalFile: Send {
-    /// Writes from the file's position like `write(2)`: may write fewer
-    /// bytes than given and reports how many it wrote.
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize>;
+    /// Writes at byte `offset` like `pwrite(2)`: may write fewer bytes
+    /// than given and reports how many it wrote. (Positional, so the log
+    /// can write its records over the zeros it synced ahead of them.)
+    fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<usize>;
     /// `fdatasync(2)`: makes the written bytes (and the size) durable.
     fn sync_data(&mut self) -> io::Result<()>;
     /// Truncates (or extends) the file to `len` bytes.
@@ -48,8 +50,9 @@ pub trait FileSystem: Send + Sync {
     fn read(&self, path: &Path) -> io::Result<Vec<u8>>;
     /// Creates the file at `path` for writing, truncating any old one.
     fn create(&self, path: &Path) -> io::Result<Box<dyn WalFile>>;
-    /// Opens the existing file at `path` for appending.
-    fn open_append(&self, path: &Path) -> io::Result<Box<dyn WalFile>>;
+    /// Opens the existing file at `path` for writing, keeping its content.
+    /// (Not `O_APPEND`: Linux would put every positional write at the end.)
+    fn open_write(&self, path: &Path) -> io::Result<Box<dyn WalFile>>;
     /// Renames `from` to `to`, replacing `to` atomically.
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
     /// Removes the file at `path`.
@@ -65,8 +68,8 @@ pub struct RealFs;
 struct RealFile(File);
 
 impl WalFile for RealFile {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.0.write(buf)
+    fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<usize> {
+        FileExt::write_at(&self.0, buf, offset)
     }
     fn sync_data(&mut self) -> io::Result<()> {
         self.0.sync_data()
@@ -136,8 +139,8 @@ impl FileSystem for RealFs {
         Ok(Box::new(RealFile(file)))
     }
 
-    fn open_append(&self, path: &Path) -> io::Result<Box<dyn WalFile>> {
-        let file = OpenOptions::new().append(true).open(path)?;
+    fn open_write(&self, path: &Path) -> io::Result<Box<dyn WalFile>> {
+        let file = OpenOptions::new().write(true).open(path)?;
         Ok(Box::new(RealFile(file)))
     }
 

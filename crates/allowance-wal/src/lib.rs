@@ -4,14 +4,19 @@
 //! so every ledger transition is appended here before it is acknowledged.
 //! The payloads are opaque bytes: the store encodes its commands into them.
 //!
-//! - **record** — one payload with its lsn and a crc32c, in a segment file.
+//! - **record** — one payload with its lsn, the lsn synced when it was
+//!   written, and a crc32c, in a segment file.
 //! - **lsn** — log sequence number: dense, from 1, in `append` order.
 //! - **group commit** — one writer thread writes everything appended since
 //!   its last batch with one `write` and one fsync, then wakes that batch's
 //!   waiters: 64 concurrent requests share one fsync.
+//! - **zeros ahead** — under [`Fsync::Always`] records are written over
+//!   zeros synced in advance, so a record's fsync commits no new file size.
 //! - **torn tail** — the half-written end a crash leaves in the last
-//!   segment: cut off at open and reported. Damage anywhere else stops
-//!   [`Wal::open`] with the file, the byte offset and what is wrong.
+//!   segment (with holes, over zeros: pages reach the disk in any order):
+//!   cut off at open and reported. Damage anywhere else — or a bad record
+//!   followed by one written after it was synced — stops [`Wal::open`]
+//!   with the file, the byte offset and what is wrong.
 //! - **snapshot** — the store's state after some lsn; writing one deletes
 //!   the segments it covers, so recovery time stays bounded.
 //!

@@ -151,7 +151,8 @@ pub struct TornTail {
     /// Where the first incomplete or damaged record started; the file now
     /// ends here.
     pub offset: u64,
-    /// How many bytes were cut off.
+    /// How many bytes were cut off, not counting the zeros a version 2
+    /// segment ends in (room synced ahead of the records).
     pub bytes_dropped: u64,
     /// What was wrong with the record at `offset`.
     pub reason: String,

@@ -2,11 +2,21 @@
 //!
 //! What counts as a torn tail: the first bad record of the *last* segment
 //! (incomplete, too long, or failing its checksum) when no valid record
-//! follows it in that file. A crash mid-write can only leave that. A bad
-//! record anywhere else — in an earlier segment, or with a valid record
-//! after it — is damage: open fails naming the file and the byte offset,
-//! and drops nothing. A checksum-valid record with an unexpected lsn, or a
-//! gap between segments, is damage too.
+//! after it proves it was made durable — in a version 2 segment, a record
+//! stamped as written after the bad record's lsn was synced; in a version 1
+//! segment, any valid record. A crash mid-write can only leave that: the
+//! pages of the last, unsynced write may reach the disk in any order, so
+//! records of that write may follow a hole. Zeros from the bad record to
+//! the end of a version 2 segment are its clean end: the room the writer
+//! synced ahead. A bad record anywhere else — in an earlier segment, or
+//! with proof after it — is damage: open fails naming the file and the
+//! byte offset, and drops nothing. A checksum-valid record with an
+//! unexpected lsn, or a gap between segments, is damage too.
+//!
+//! One limit, shared by any log that cannot tell a torn write from damage
+//! to the last write: damage to the records of the last group commit
+//! before a stop (nothing proves them synced yet) is cut and reported as a
+//! torn tail, not refused.
 //!
 //! With [`WalOptions::defer_sealed_checks`] the finished segments are not
 //! read here: the replay that reads them makes the same checks
@@ -17,8 +27,8 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use crate::format::{
-    self, BadRecord, SEGMENT_HEADER_BYTES, check_segment_header, parse_record, parse_segment_name,
-    parse_snapshot_name, segment_name,
+    self, BadRecord, Layout, SEGMENT_HEADER_BYTES, check_segment_header, parse_record,
+    parse_segment_name, parse_snapshot_name, segment_name,
 };
 use crate::fs::{FileSystem, LockAttempt, WalFile};
 use crate::{Lsn, Recovered, TornTail, WalError, WalOptions};
@@ -42,6 +52,21 @@ pub(crate) struct Active {
     /// The size up to which every record is acknowledged (durable under
     /// the policy): what a failure rolls the file back to.
     pub(crate) acked_bytes: u64,
+    /// The file's size: past `bytes`, zeros the writer wrote and synced
+    /// ahead, so that a record's fsync need not commit a new file size.
+    pub(crate) zeroed_to: u64,
+}
+
+impl Active {
+    fn new(file: Box<dyn WalFile>, path: PathBuf, bytes: u64) -> Active {
+        Active {
+            file,
+            path,
+            bytes,
+            acked_bytes: bytes,
+            zeroed_to: bytes,
+        }
+    }
 }
 
 /// An opened data dir, ready for the writer.
@@ -52,12 +77,21 @@ pub(crate) struct Opened {
     pub(crate) recovered: Recovered,
 }
 
-/// Writes all of `buf`, looping over short writes like `write_all`.
-pub(crate) fn write_all(file: &mut dyn WalFile, mut buf: &[u8]) -> io::Result<()> {
+/// Writes all of `buf` at `offset`, looping over short writes like
+/// `write_all_at`.
+pub(crate) fn write_all_at(
+    file: &mut dyn WalFile,
+    mut buf: &[u8],
+    mut offset: u64,
+) -> io::Result<()> {
     while !buf.is_empty() {
-        match file.write(buf) {
+        match file.write_at(buf, offset) {
             Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
-            Ok(n) => buf = &buf[n.min(buf.len())..],
+            Ok(n) => {
+                let n = n.min(buf.len());
+                buf = &buf[n..];
+                offset += n as u64;
+            }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
         }
@@ -79,7 +113,7 @@ pub(crate) fn create_segment(
     let mut file = fs
         .create(&tmp)
         .map_err(|e| WalError::io("create segment", &tmp, e))?;
-    write_all(file.as_mut(), &format::segment_header())
+    write_all_at(file.as_mut(), &format::segment_header(), 0)
         .map_err(|e| WalError::io("write segment header", &tmp, e))?;
     file.sync_data()
         .map_err(|e| WalError::io("fsync segment", &tmp, e))?;
@@ -140,16 +174,18 @@ pub(crate) fn open_dir(opts: &WalOptions, fs: &dyn FileSystem) -> Result<Opened,
     let last_segment = segments.last().map(|last| last.path.clone());
     let active = match last_segment {
         Some(path) => {
-            let file = settle_last_segment(fs, &path, scan.last_bytes, &scan.torn_tail)?;
-            if scan.last_bytes < opts.segment_bytes {
-                Active {
-                    file,
-                    path,
-                    bytes: scan.last_bytes,
-                    acked_bytes: scan.last_bytes,
-                }
+            let file = settle_last_segment(fs, &path, scan.last_bytes, scan.last_file_bytes)?;
+            if scan.last_layout == Layout::V2 && scan.last_bytes < opts.segment_bytes {
+                Active::new(file, path, scan.last_bytes)
             } else {
+                // Full, or written by a build before the stamps: this
+                // build appends only to a version 2 segment of its own.
                 drop(file);
+                if scan.last_bytes <= SEGMENT_HEADER_BYTES {
+                    // Empty: its successor takes its name (the rename
+                    // replaces it atomically).
+                    segments.pop();
+                }
                 new_active(fs, dir, last_lsn + 1, &mut segments)?
             }
         }
@@ -184,27 +220,23 @@ fn new_active(
         first_lsn,
         path: path.clone(),
     });
-    Ok(Active {
-        file,
-        path,
-        bytes: SEGMENT_HEADER_BYTES,
-        acked_bytes: SEGMENT_HEADER_BYTES,
-    })
+    Ok(Active::new(file, path, SEGMENT_HEADER_BYTES))
 }
 
-/// Opens the last segment, cuts its torn tail and syncs it: what a crashed
-/// process left in the page cache becomes durable before anything new is
-/// acknowledged after it.
+/// Opens the last segment, cuts it back to its last valid record (a torn
+/// tail, or zeros synced ahead) and syncs it: what a crashed process left
+/// in the page cache becomes durable before anything new is acknowledged
+/// after it, and no unsynced record of a torn write outlives the cut.
 fn settle_last_segment(
     fs: &dyn FileSystem,
     path: &Path,
     valid_bytes: u64,
-    torn_tail: &Option<TornTail>,
+    file_bytes: u64,
 ) -> Result<Box<dyn WalFile>, WalError> {
     let mut file = fs
-        .open_append(path)
+        .open_write(path)
         .map_err(|e| WalError::io("open segment", path, e))?;
-    if torn_tail.is_some() {
+    if file_bytes > valid_bytes {
         file.set_len(valid_bytes)
             .map_err(|e| WalError::io("truncate the torn tail of", path, e))?;
     }
@@ -243,6 +275,10 @@ struct Scan {
     records: u64,
     /// Valid bytes of the last segment.
     last_bytes: u64,
+    /// The last segment's size on disk (with any torn tail or zeros).
+    last_file_bytes: u64,
+    /// How the last segment's records are laid out.
+    last_layout: Layout,
     torn_tail: Option<TornTail>,
 }
 
@@ -259,6 +295,8 @@ fn scan_segments(
         next_lsn: base + 1,
         records: 0,
         last_bytes: 0,
+        last_file_bytes: 0,
+        last_layout: Layout::V2,
         torn_tail: None,
     };
     for (i, segment) in segments.iter().enumerate() {
@@ -305,11 +343,12 @@ fn scan_segments(
         let data = fs
             .read(path)
             .map_err(|e| WalError::io("read segment", path, e))?;
-        check_segment_header(&data).map_err(|what| WalError::corrupt(path, 0, what))?;
+        let layout =
+            check_segment_header(&data).map_err(|what| WalError::corrupt(path, 0, what))?;
         let mut at = SEGMENT_HEADER_BYTES as usize;
         let mut expect = first;
         while at < data.len() {
-            match parse_record(&data, at) {
+            match parse_record(&data, at, layout) {
                 Ok(record) if record.lsn == expect => {
                     at = record.end;
                     expect += 1;
@@ -323,7 +362,7 @@ fn scan_segments(
                     ));
                 }
                 Err(bad) => {
-                    scan.torn_tail = Some(torn_or_damage(path, &data, at, expect, is_last, bad)?);
+                    scan.torn_tail = torn_or_damage(path, &data, at, expect, is_last, layout, bad)?;
                     break;
                 }
             }
@@ -331,38 +370,57 @@ fn scan_segments(
         scan.next_lsn = expect;
         if is_last {
             scan.last_bytes = at as u64;
+            scan.last_file_bytes = data.len() as u64;
+            scan.last_layout = layout;
         }
     }
     Ok(scan)
 }
 
-/// Decides whether the bad record at `at` is a torn tail or damage.
+/// Decides whether the bad record at `at` is the log's clean end (`None`:
+/// zeros to the end of a version 2 segment), a torn tail, or damage.
 fn torn_or_damage(
     path: &Path,
     data: &[u8],
     at: usize,
     expect: Lsn,
     is_last: bool,
+    layout: Layout,
     bad: BadRecord,
-) -> Result<TornTail, WalError> {
+) -> Result<Option<TornTail>, WalError> {
     if !is_last {
         return Err(sealed_damage(path, at, &bad));
     }
-    if let Some((later_at, later_lsn)) = format::valid_record_after(data, at, expect) {
+    if layout == Layout::V2 && format::all_zeros(&data[at..]) {
+        return Ok(None);
+    }
+    if let Some((later_at, later_lsn)) = format::valid_record_after(data, at, expect, layout) {
+        let proof = match layout {
+            Layout::V1 => "",
+            Layout::V2 => ", written after this one was synced",
+        };
         return Err(WalError::corrupt(
             path,
             at as u64,
             format!(
-                "{bad} (a valid record, lsn {later_lsn}, follows at byte {later_at}: damage, not a torn write)"
+                "{bad} (a valid record, lsn {later_lsn}{proof}, follows at byte {later_at}: damage, not a torn write)"
             ),
         ));
     }
-    Ok(TornTail {
+    let end = match layout {
+        Layout::V1 => data.len(),
+        // The bad bytes end where the zeros synced ahead begin.
+        Layout::V2 => data
+            .iter()
+            .rposition(|&b| b != 0)
+            .map_or(at, |last| last + 1),
+    };
+    Ok(Some(TornTail {
         file: path.to_path_buf(),
         offset: at as u64,
-        bytes_dropped: (data.len() - at) as u64,
+        bytes_dropped: (end.max(at) - at) as u64,
         reason: bad.to_string(),
-    })
+    }))
 }
 
 /// A bad record in a finished segment: never a torn tail, since nothing is

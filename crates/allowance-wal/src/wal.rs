@@ -16,7 +16,7 @@ use crate::format::{
     parse_record, parse_snapshot_name, snapshot_name,
 };
 use crate::fs::FileSystem;
-use crate::recover::{self, Active, Segment, create_segment, write_all};
+use crate::recover::{self, Active, Segment, create_segment, write_all_at};
 use crate::{Fsync, Lsn, Recovered, ReplayProgress, WalError, WalOptions};
 
 /// Replay reports progress every this many records (and once at the end).
@@ -24,6 +24,16 @@ const PROGRESS_EVERY_RECORDS: u64 = 1 << 16;
 /// The writer keeps its batch buffer's allocation between batches up to
 /// this size, so a burst does not pin its peak memory forever.
 const KEEP_BATCH_CAPACITY: usize = 4 << 20;
+/// Under [`Fsync::Always`] the writer keeps at least this much room of
+/// zeros, written and synced, ahead of the records: an `fdatasync` of
+/// records written over them need not commit a new file size through the
+/// file system's journal, which measured 0.05–0.09 ms of every lone
+/// request's fsync on ext4.
+const ZEROS_LOW_WATER_BYTES: u64 = 256 << 10;
+/// How much room of zeros the writer adds at a time, between batches: one
+/// size commit per this many bytes of records, each a short stall of the
+/// batches that arrive meanwhile.
+const ZEROS_CHUNK_BYTES: u64 = 1 << 20;
 
 /// A write-ahead log in a data dir. `Send + Sync`: share it in an `Arc`.
 ///
@@ -142,13 +152,16 @@ impl Wal {
             segments: Mutex::new(opened.segments),
             snapshot_lock: Mutex::new(()),
         });
-        let writer = Writer {
+        let mut writer = Writer {
+            zeroing: shared.fsync == Fsync::Always,
             shared: Arc::clone(&shared),
             active: opened.active,
             dirty_since: None,
             written_lsn: last,
             synced_lsn: last,
         };
+        // Before the writer starts: the first records already find zeros.
+        writer.zero_ahead()?;
         let handle = std::thread::Builder::new()
             .name("allowance-wal".to_owned())
             .spawn(move || writer.run())
@@ -332,11 +345,12 @@ impl Wal {
                 .fs
                 .read(path)
                 .map_err(|e| WalError::io("read segment", path, e))?;
-            check_segment_header(&data).map_err(|what| WalError::corrupt(path, 0, what))?;
+            let layout =
+                check_segment_header(&data).map_err(|what| WalError::corrupt(path, 0, what))?;
             let mut at = SEGMENT_HEADER_BYTES as usize;
             next = segment.first_lsn;
             while at < data.len() && next <= upto {
-                let record = parse_record(&data, at).map_err(|bad| match following {
+                let record = parse_record(&data, at, layout).map_err(|bad| match following {
                     Some(_) => recover::sealed_damage(path, at, &bad),
                     None => WalError::corrupt(path, at as u64, bad.to_string()),
                 })?;
@@ -586,7 +600,7 @@ fn write_file_durably(fs: &dyn FileSystem, path: &Path, bytes: &[u8]) -> Result<
     let mut file = fs
         .create(path)
         .map_err(|e| WalError::io("create snapshot", path, e))?;
-    write_all(file.as_mut(), bytes).map_err(|e| WalError::io("write snapshot", path, e))?;
+    write_all_at(file.as_mut(), bytes, 0).map_err(|e| WalError::io("write snapshot", path, e))?;
     file.sync_data()
         .map_err(|e| WalError::io("fsync snapshot", path, e))
 }
@@ -617,6 +631,10 @@ struct Writer {
     dirty_since: Option<Instant>,
     written_lsn: Lsn,
     synced_lsn: Lsn,
+    /// Whether to keep zeros synced ahead of the records: under
+    /// [`Fsync::Always`], until writing them fails (a full disk: records
+    /// are then appended, growing the file, until the next segment).
+    zeroing: bool,
 }
 
 /// One batch taken from the appenders.
@@ -632,16 +650,62 @@ impl Writer {
         let mut bytes = Vec::new();
         loop {
             let batch = self.take(&mut bytes);
-            let outcome = self.commit(&bytes, &batch);
+            let outcome = self.commit(&mut bytes, &batch);
             bytes.clear();
             if bytes.capacity() > KEEP_BATCH_CAPACITY {
                 bytes = Vec::new();
             }
+            // After the batch's waiters were woken: topping up the zeros
+            // delays only the batches that come meanwhile.
+            let outcome = outcome.and_then(|()| match batch.shutdown {
+                true => Ok(()),
+                false => self.zero_ahead(),
+            });
             match outcome {
-                Ok(()) if batch.shutdown => return,
+                Ok(()) if batch.shutdown => return self.cut_zeros(),
                 Ok(()) => {}
                 Err(e) => return self.fail(&e),
             }
+        }
+    }
+
+    /// Tops up the zeros ahead of the records when less than
+    /// [`ZEROS_LOW_WATER_BYTES`] remain (never past the segment's size).
+    /// Fails only if their fsync fails: after a failed write (a full disk)
+    /// the records are appended as to any growing file, and a log that
+    /// cannot write its records fails on them.
+    fn zero_ahead(&mut self) -> Result<(), WalError> {
+        let active = &mut self.active;
+        let limit = self.shared.segment_bytes;
+        if !self.zeroing
+            || active.zeroed_to >= limit
+            || active.zeroed_to - active.bytes >= ZEROS_LOW_WATER_BYTES
+        {
+            return Ok(());
+        }
+        let to = (active.zeroed_to + ZEROS_CHUNK_BYTES).min(limit);
+        let zeros = vec![0u8; (to - active.zeroed_to) as usize];
+        if write_all_at(active.file.as_mut(), &zeros, active.zeroed_to).is_err() {
+            self.zeroing = false;
+            return Ok(());
+        }
+        active
+            .file
+            .sync_data()
+            .map_err(|e| WalError::io("fsync segment", &active.path, e))?;
+        active.zeroed_to = to;
+        Ok(())
+    }
+
+    /// A clean stop leaves the segment ending at its last record. Best
+    /// effort: zeros after the records are a clean end all the same.
+    fn cut_zeros(&mut self) {
+        let active = &mut self.active;
+        if active.zeroed_to > active.bytes {
+            let _ = active
+                .file
+                .set_len(active.bytes)
+                .and_then(|()| active.file.sync_data());
         }
     }
 
@@ -681,7 +745,10 @@ impl Writer {
     }
 
     /// Writes one batch with one write, syncs per policy, wakes waiters.
-    fn commit(&mut self, bytes: &[u8], batch: &Batch) -> Result<(), WalError> {
+    fn commit(&mut self, bytes: &mut [u8], batch: &Batch) -> Result<(), WalError> {
+        // Stamped now, not at append: only the writer knows what is synced.
+        format::seal_records(bytes, self.synced_lsn);
+        let bytes = &*bytes;
         let mut rest = bytes;
         let mut next_lsn = batch.first_lsn;
         while !rest.is_empty() {
@@ -693,9 +760,11 @@ impl Writer {
             // that fills the segment (at least one record).
             let (take, records) =
                 split_records(rest, segment_bytes - self.active.bytes.min(segment_bytes));
-            write_all(self.active.file.as_mut(), &rest[..take])
-                .map_err(|e| WalError::io("write segment", &self.active.path, e))?;
-            self.active.bytes += take as u64;
+            let active = &mut self.active;
+            write_all_at(active.file.as_mut(), &rest[..take], active.bytes)
+                .map_err(|e| WalError::io("write segment", &active.path, e))?;
+            active.bytes += take as u64;
+            active.zeroed_to = active.zeroed_to.max(active.bytes);
             rest = &rest[take..];
             next_lsn += records;
             self.written_lsn = next_lsn - 1;
@@ -738,10 +807,19 @@ impl Writer {
         Ok(())
     }
 
-    /// Finishes the active segment (synced whatever the policy, so only the
-    /// last segment can ever have a torn tail) and starts the next one.
+    /// Finishes the active segment (cut back to its last record and synced
+    /// whatever the policy, so only the last segment can ever have a torn
+    /// tail or zeros at its end) and starts the next one.
     fn roll(&mut self, first_lsn: Lsn) -> Result<(), WalError> {
-        if self.dirty_since.is_some() {
+        let active = &mut self.active;
+        if active.zeroed_to > active.bytes {
+            active
+                .file
+                .set_len(active.bytes)
+                .map_err(|e| WalError::io("cut the zeros after the records of", &active.path, e))?;
+            active.zeroed_to = active.bytes;
+            self.sync()?;
+        } else if self.dirty_since.is_some() {
             self.sync()?;
         }
         let shared = &self.shared;
@@ -755,7 +833,9 @@ impl Writer {
             path,
             bytes: SEGMENT_HEADER_BYTES,
             acked_bytes: SEGMENT_HEADER_BYTES,
+            zeroed_to: SEGMENT_HEADER_BYTES,
         };
+        self.zeroing = self.shared.fsync == Fsync::Always;
         Ok(())
     }
 
@@ -801,7 +881,7 @@ impl Writer {
         // Never retry on the handle that failed.
         drop(file);
         let mut cause = error.to_string();
-        let cut = shared.fs.open_append(&path).and_then(|mut file| {
+        let cut = shared.fs.open_write(&path).and_then(|mut file| {
             file.set_len(acked_bytes)?;
             file.sync_data()
         });

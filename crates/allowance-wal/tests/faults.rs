@@ -239,16 +239,22 @@ fn files_opened_before_a_power_loss_stay_dead_after_it() {
     let fs = FaultyFs::new();
     let old_path = dir.path().join("old");
     let mut old = fs.create(&old_path).expect("create");
-    assert_eq!(old.write(b"written before the crash").expect("write"), 24);
+    assert_eq!(
+        old.write_at(b"written before the crash", 0).expect("write"),
+        24
+    );
     fs.crash(4).expect("crash");
     fs.recover();
-    assert!(old.write(b"more").is_err(), "a write through a dead handle");
+    assert!(
+        old.write_at(b"more", 24).is_err(),
+        "a write through a dead handle"
+    );
     assert!(old.sync_data().is_err(), "an fsync through a dead handle");
     assert!(old.set_len(0).is_err(), "a truncate through a dead handle");
     // What the crash left: the torn 4 bytes, not what the old handle tried.
     assert_eq!(fs.read(&old_path).expect("read"), b"writ");
     // Files opened after the power loss work.
     let mut new = fs.create(&dir.path().join("new")).expect("create");
-    assert_eq!(new.write(b"after").expect("write"), 5);
+    assert_eq!(new.write_at(b"after", 0).expect("write"), 5);
     new.sync_data().expect("fsync");
 }

@@ -34,6 +34,10 @@ enum Op {
     /// Power loss keeping this many unsynced bytes per file, after
     /// letting the writer run for this many microseconds.
     Crash(u64, u64),
+    /// Power loss keeping a random half (by this seed) of the unsynced
+    /// blocks of this many bytes written over zeros synced ahead, in no
+    /// order, after letting the writer run for this many microseconds.
+    CrashScattered(u64, u64, u64),
     Reopen,
     /// Snapshot at the last appended lsn.
     Snapshot,
@@ -60,6 +64,12 @@ fn op() -> impl Strategy<Value = Op> {
             prop_oneof![Just(0u64), 100u64..1500],
         )
             .prop_map(|(keep, wait_us)| Op::Crash(keep, wait_us)),
+        2 => (
+            any::<u64>(),
+            prop_oneof![Just(16u64), Just(64), Just(512), Just(4096)],
+            prop_oneof![Just(0u64), 100u64..1500],
+        )
+            .prop_map(|(seed, block, wait_us)| Op::CrashScattered(seed, block, wait_us)),
         2 => Just(Op::Reopen),
         1 => Just(Op::Snapshot),
     ]
@@ -122,6 +132,9 @@ struct World {
     /// Open with `defer_sealed_checks`: the replay every reopen makes must
     /// then find what open would have.
     defer_sealed_checks: bool,
+    /// 300 bytes (a roll every few records) or 64 KiB (records written
+    /// over many blocks of zeros synced ahead).
+    segment_bytes: u64,
     wal: Option<Wal>,
     model: Model,
     rt: tokio::runtime::Runtime,
@@ -131,7 +144,7 @@ impl World {
     fn options(&self) -> WalOptions {
         WalOptions {
             fsync: self.fsync,
-            segment_bytes: 300,
+            segment_bytes: self.segment_bytes,
             defer_sealed_checks: self.defer_sealed_checks,
             ..WalOptions::new(self.dir.path())
         }
@@ -185,7 +198,17 @@ impl World {
                 self.fs.recover();
                 self.reopen()?;
             }
-            Op::Crash(..) | Op::Reopen => {
+            Op::CrashScattered(seed, block, wait_us) if self.fsync == Fsync::Always => {
+                std::thread::sleep(Duration::from_micros(*wait_us));
+                self.fs
+                    .crash_scattered(*seed, *block)
+                    .map_err(|e| format!("crash: {e}"))?;
+                POWER_LOSSES.fetch_add(1, Ordering::Relaxed);
+                self.wal = None;
+                self.fs.recover();
+                self.reopen()?;
+            }
+            Op::Crash(..) | Op::CrashScattered(..) | Op::Reopen => {
                 self.wal = None;
                 self.reopen()?;
             }
@@ -273,7 +296,13 @@ impl World {
     }
 }
 
-fn run(fsync: Fsync, defer: bool, sync_delay_us: u64, ops: &[Op]) -> Result<(), String> {
+fn run(
+    fsync: Fsync,
+    defer: bool,
+    segment_bytes: u64,
+    sync_delay_us: u64,
+    ops: &[Op],
+) -> Result<(), String> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .build()
@@ -283,6 +312,7 @@ fn run(fsync: Fsync, defer: bool, sync_delay_us: u64, ops: &[Op]) -> Result<(), 
         fs: FaultyFs::new(),
         fsync,
         defer_sealed_checks: defer,
+        segment_bytes,
         wal: None,
         model: Model::default(),
         rt,
@@ -330,12 +360,16 @@ fn acknowledged_records_survive_random_faults_crashes_and_reopens() {
     let histories = (
         fsync(),
         any::<bool>(),
+        prop_oneof![Just(300u64), Just(64 << 10)],
         sync_delay_us,
         prop::collection::vec(op(), 10..80),
     );
-    let result = runner.run(&histories, |(fsync, defer, sync_delay_us, ops)| {
-        run(fsync, defer, sync_delay_us, &ops).map_err(TestCaseError::fail)
-    });
+    let result = runner.run(
+        &histories,
+        |(fsync, defer, segment_bytes, sync_delay_us, ops)| {
+            run(fsync, defer, segment_bytes, sync_delay_us, &ops).map_err(TestCaseError::fail)
+        },
+    );
     eprintln!(
         "failed waits {}, power losses {}, torn tails cut {}, unacknowledged records dropped {}, snapshots {}",
         FAILED_WAITS.load(Ordering::Relaxed),

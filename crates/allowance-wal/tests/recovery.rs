@@ -12,7 +12,7 @@ use allowance_wal::{Fsync, RealFs, Recovered, TornTail, Wal, WalError, WalOption
 use common::{TempDir, durable, payload, read_after, runtime, segment_files};
 
 const HEADER: usize = 8;
-const RECORD_HEADER: usize = 16;
+const RECORD_HEADER: usize = 24;
 
 fn open(dir: &Path, segment_bytes: u64) -> Result<(Wal, Recovered), WalError> {
     let opts = WalOptions {
@@ -23,15 +23,16 @@ fn open(dir: &Path, segment_bytes: u64) -> Result<(Wal, Recovered), WalError> {
     Wal::open(opts, Arc::new(RealFs))
 }
 
-/// Writes `payloads` as lsns 1.. into a fresh log and closes it.
+/// Writes `payloads` as lsns 1.. into a fresh log, each made durable
+/// before the next is appended (so each record is stamped with the lsn
+/// before it: any record proves every earlier one synced), and closes it.
 fn write_log(dir: &Path, segment_bytes: u64, payloads: &[Vec<u8>]) {
     let rt = runtime();
     let (wal, _) = open(dir, segment_bytes).expect("open");
-    let mut last = 0;
     for p in payloads {
-        last = wal.append(p).expect("append");
+        let lsn = wal.append(p).expect("append");
+        durable(&rt, &wal, lsn).expect("durable");
     }
-    durable(&rt, &wal, last).expect("durable");
     wal.close().expect("close");
 }
 
@@ -52,8 +53,25 @@ fn offsets(payloads: &[Vec<u8>]) -> Vec<usize> {
         .collect()
 }
 
+/// The checksum of record `lsn` as [`write_log`] stamps it (synced up to
+/// the record before).
 fn crc(lsn: u64, payload: &[u8]) -> u32 {
-    crc32c::crc32c_append(crc32c::crc32c(&lsn.to_le_bytes()), payload)
+    stamped_crc(lsn, lsn - 1, payload)
+}
+
+fn stamped_crc(lsn: u64, synced: u64, payload: &[u8]) -> u32 {
+    let crc = crc32c::crc32c(&lsn.to_le_bytes());
+    crc32c::crc32c_append(crc32c::crc32c_append(crc, &synced.to_le_bytes()), payload)
+}
+
+/// A version 2 record as the writer writes it.
+fn record(lsn: u64, synced: u64, payload: &[u8]) -> Vec<u8> {
+    let mut out = (payload.len() as u32).to_le_bytes().to_vec();
+    out.extend_from_slice(&stamped_crc(lsn, synced, payload).to_le_bytes());
+    out.extend_from_slice(&lsn.to_le_bytes());
+    out.extend_from_slice(&synced.to_le_bytes());
+    out.extend_from_slice(payload);
+    out
 }
 
 fn only_segment(dir: &Path) -> PathBuf {
@@ -92,10 +110,17 @@ fn a_torn_last_record_is_cut_at_every_byte_offset() {
         fs::write(&segment, &full[..cut]).expect("cut");
         let (wal, recovered) = open(dir.path(), 1 << 20).expect("open");
         let present = cut - last_start;
-        let torn = (present > 0).then(|| TornTail {
+        // What is reported dropped ends at the last byte that is not
+        // zero: zeros after the records are room synced ahead, and a torn
+        // record of nothing but zeros is a clean end.
+        let nonzero = full[last_start..cut]
+            .iter()
+            .rposition(|&b| b != 0)
+            .map_or(0, |last| last + 1);
+        let torn = (nonzero > 0).then(|| TornTail {
             file: segment.clone(),
             offset: last_start as u64,
-            bytes_dropped: present as u64,
+            bytes_dropped: nonzero as u64,
             reason: format!(
                 "incomplete record: it needs {} bytes but only {present} remain in the file",
                 if present < RECORD_HEADER {
@@ -120,9 +145,13 @@ fn a_torn_last_record_is_cut_at_every_byte_offset() {
             numbered(&payloads[..4]),
             "cut at {cut}"
         );
-        assert_eq!(
-            fs::metadata(&segment).expect("stat").len(),
-            last_start as u64
+        // The torn bytes are gone; what follows the records is the room
+        // of zeros the writer keeps ahead of them.
+        let on_disk = fs::read(&segment).expect("read");
+        assert_eq!(on_disk[..last_start], full[..last_start], "cut at {cut}");
+        assert!(
+            on_disk[last_start..].iter().all(|&b| b == 0),
+            "cut at {cut}"
         );
 
         assert_eq!(wal.append(b"again").expect("append"), 5);
@@ -134,10 +163,10 @@ fn a_torn_last_record_is_cut_at_every_byte_offset() {
     }
 }
 
-/// A last record whose checksum fails, and a tail of zeros (a file grown
-/// without its data), are torn tails too.
+/// A last record whose checksum fails is a torn tail too; zeros after the
+/// last record are not.
 #[test]
-fn a_bad_checksum_or_zeros_at_the_very_end_are_a_torn_tail() {
+fn a_bad_checksum_at_the_very_end_is_a_torn_tail_and_zeros_are_a_clean_end() {
     let dir = TempDir::new("torn-crc");
     let payloads: Vec<Vec<u8>> = (1..=3).map(|i| vec![i as u8; 30]).collect();
     write_log(dir.path(), 1 << 20, &payloads);
@@ -168,24 +197,17 @@ fn a_bad_checksum_or_zeros_at_the_very_end_are_a_torn_tail() {
     assert_eq!(read_after(&wal, 0), numbered(&payloads[..2]));
     drop(wal);
 
+    // Zeros after the last record are the room the writer synces ahead
+    // of its records: a clean end, cut without a report.
     let mut zeros = fs::read(&segment).expect("read");
     let valid = zeros.len();
     zeros.extend_from_slice(&[0; 4096]);
     fs::write(&segment, &zeros).expect("write");
     let (wal, recovered) = open(dir.path(), 1 << 20).expect("open");
-    assert_eq!(
-        recovered.torn_tail,
-        Some(TornTail {
-            file: segment.clone(),
-            offset: valid as u64,
-            bytes_dropped: 4096,
-            reason: format!(
-                "checksum mismatch: stored crc32c 0x00000000, computed {:#010x}",
-                crc(0, &[])
-            ),
-        })
-    );
+    assert_eq!((recovered.last_lsn, recovered.torn_tail), (2, None));
     assert_eq!(read_after(&wal, 0), numbered(&payloads[..2]));
+    drop(wal);
+    assert_eq!(fs::metadata(&segment).expect("stat").len(), valid as u64);
 }
 
 /// A flipped byte in an earlier record's payload: open fails naming the
@@ -205,7 +227,8 @@ fn a_damaged_record_before_the_end_stops_the_open_with_file_and_offset() {
 
     let expected = format!(
         "{}: byte {}: checksum mismatch: stored crc32c {:#010x}, computed {:#010x} \
-         (a valid record, lsn 3, follows at byte {}: damage, not a torn write)",
+         (a valid record, lsn 3, written after this one was synced, follows at byte {}: \
+         damage, not a torn write)",
         segment.display(),
         at[1],
         crc(2, &payloads[1]),
@@ -237,7 +260,8 @@ fn a_damaged_length_in_the_last_segment_is_not_mistaken_for_a_torn_tail() {
         corrupt_error(dir.path(), 1 << 20),
         format!(
             "{}: byte {}: incomplete record: it needs {} bytes but only {} remain in the file \
-             (a valid record, lsn 3, follows at byte {}: damage, not a torn write)",
+             (a valid record, lsn 3, written after this one was synced, follows at byte {}: \
+             damage, not a torn write)",
             segment.display(),
             at[1],
             RECORD_HEADER + 0x007f_0032,
@@ -458,12 +482,9 @@ fn a_deferred_open_leaves_no_damage_unreported() {
     let (dir, _, files) = one_record_segments("deferred-last", 3);
     let mut bytes = fs::read(&files[2]).expect("read");
     bytes[HEADER + RECORD_HEADER] ^= 0x01;
-    // A valid record after the damaged one: not a torn tail.
-    let next = [9u8; 40];
-    bytes.extend_from_slice(&40u32.to_le_bytes());
-    bytes.extend_from_slice(&crc(4, &next).to_le_bytes());
-    bytes.extend_from_slice(&4u64.to_le_bytes());
-    bytes.extend_from_slice(&next);
+    // A valid record after the damaged one, written once it was synced:
+    // not a torn tail.
+    bytes.extend_from_slice(&record(4, 3, &[9u8; 40]));
     fs::write(&files[2], &bytes).expect("write");
     let full = corrupt_error(dir.path(), 64);
     match open_deferred(dir.path(), 64) {
@@ -471,4 +492,149 @@ fn a_deferred_open_leaves_no_damage_unreported() {
         Err(e) => panic!("expected a corruption error, got {e}"),
         Ok(_) => panic!("a deferred open accepted a damaged last segment"),
     }
+}
+
+/// A version 1 record, as builds before the stamps wrote them.
+fn v1_record(lsn: u64, payload: &[u8]) -> Vec<u8> {
+    let mut out = (payload.len() as u32).to_le_bytes().to_vec();
+    let crc = crc32c::crc32c_append(crc32c::crc32c(&lsn.to_le_bytes()), payload);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out.extend_from_slice(&lsn.to_le_bytes());
+    out.extend_from_slice(payload);
+    out
+}
+
+fn v1_segment(records: &[Vec<u8>]) -> Vec<u8> {
+    let mut bytes = b"ALWWAL".to_vec();
+    bytes.extend_from_slice(&1u16.to_le_bytes());
+    for r in records {
+        bytes.extend_from_slice(r);
+    }
+    bytes
+}
+
+/// A data dir written before the stamps opens and replays as it did; new
+/// records go to a new, version 2 segment; the old rules still judge the
+/// old segment (any valid record after a bad one is damage).
+#[test]
+fn a_version_1_log_opens_and_continues_in_version_2() {
+    let rt = runtime();
+    let dir = TempDir::new("v1");
+    let payloads: Vec<Vec<u8>> = (1..=3).map(|i| vec![i as u8; 25]).collect();
+    let old = dir.path().join("00000000000000000001.wal");
+    let records: Vec<Vec<u8>> = (1..)
+        .zip(&payloads)
+        .map(|(lsn, p)| v1_record(lsn, p))
+        .collect();
+    fs::write(&old, v1_segment(&records)).expect("write");
+
+    let (wal, recovered) = open(dir.path(), 1 << 20).expect("open");
+    assert_eq!((recovered.last_lsn, recovered.torn_tail), (3, None));
+    assert_eq!(read_after(&wal, 0), numbered(&payloads));
+    let lsn = wal.append(b"new").expect("append");
+    assert_eq!(lsn, 4);
+    durable(&rt, &wal, lsn).expect("durable");
+    wal.close().expect("close");
+    let files = segment_files(dir.path());
+    assert_eq!(
+        files,
+        [old.clone(), dir.path().join("00000000000000000004.wal")]
+    );
+    assert_eq!(fs::read(&files[1]).expect("read")[6..8], 2u16.to_le_bytes());
+    let (wal, _) = open(dir.path(), 1 << 20).expect("reopen");
+    let mut all = numbered(&payloads);
+    all.push((4, b"new".to_vec()));
+    assert_eq!(read_after(&wal, 0), all);
+    drop(wal);
+
+    // A torn version 1 tail is cut and reported, zeros included.
+    let dir = TempDir::new("v1-torn");
+    let old = dir.path().join("00000000000000000001.wal");
+    let mut bytes = v1_segment(&records);
+    let whole = bytes.len();
+    bytes.truncate(whole - 5);
+    bytes.extend_from_slice(&[0; 7]);
+    fs::write(&old, &bytes).expect("write");
+    let (wal, recovered) = open(dir.path(), 1 << 20).expect("open");
+    let torn = recovered.torn_tail.expect("a torn tail");
+    let last_start = whole - records[2].len();
+    assert_eq!(
+        (torn.offset, torn.bytes_dropped),
+        (last_start as u64, (bytes.len() - last_start) as u64)
+    );
+    assert_eq!(read_after(&wal, 0), numbered(&payloads[..2]));
+    drop(wal);
+
+    // Damage before a valid version 1 record: damage, unstamped proof.
+    let dir = TempDir::new("v1-damage");
+    let old = dir.path().join("00000000000000000001.wal");
+    let mut bytes = v1_segment(&records);
+    let second = HEADER + records[0].len();
+    bytes[second + 16] ^= 0x01;
+    fs::write(&old, &bytes).expect("write");
+    let text = corrupt_error(dir.path(), 1 << 20);
+    assert!(
+        text.ends_with(&format!(
+            "(a valid record, lsn 3, follows at byte {}: damage, not a torn write)",
+            second + records[1].len()
+        )),
+        "{text}"
+    );
+}
+
+/// After a power loss mid-write, a hole (a block of the last write that
+/// never reached the disk) followed by records of that same write is a
+/// torn tail: those records were never synced, so never acknowledged. A
+/// record written after the hole's lsn was synced proves the hole damage.
+#[test]
+fn a_hole_is_torn_unless_a_later_record_was_written_after_it_was_synced() {
+    let dir = TempDir::new("hole");
+    let payloads: Vec<Vec<u8>> = (1..=2).map(|i| vec![i as u8; 30]).collect();
+    write_log(dir.path(), 1 << 20, &payloads);
+    let segment = only_segment(dir.path());
+    let synced = fs::read(&segment).expect("read");
+    // Lsns 3..=5 written in one batch (stamped 2), over zeros; lsn 3's
+    // block lost.
+    let mut bytes = synced.clone();
+    let hole = bytes.len();
+    bytes.extend_from_slice(&[0; 54]);
+    let survivors = [record(4, 2, &[4; 30]), record(5, 2, &[5; 30])].concat();
+    bytes.extend_from_slice(&survivors);
+    bytes.extend_from_slice(&[0; 4096]);
+    fs::write(&segment, &bytes).expect("write");
+    let (wal, recovered) = open(dir.path(), 1 << 20).expect("open");
+    assert_eq!(
+        recovered.torn_tail,
+        Some(TornTail {
+            file: segment.clone(),
+            offset: hole as u64,
+            bytes_dropped: (54 + survivors.len()) as u64,
+            reason: format!(
+                "checksum mismatch: stored crc32c 0x00000000, computed {:#010x}",
+                crc32c::crc32c(&[0; 16])
+            ),
+        })
+    );
+    assert_eq!(read_after(&wal, 0), numbered(&payloads));
+    drop(wal);
+    assert_eq!(fs::read(&segment).expect("read")[..], synced[..]);
+
+    // The same hole, but lsn 5 was written after lsn 3 was synced.
+    let mut bytes = synced.clone();
+    bytes.extend_from_slice(&[0; 54]);
+    bytes.extend_from_slice(&record(4, 2, &[4; 30]));
+    let proof_at = bytes.len();
+    bytes.extend_from_slice(&record(5, 3, &[5; 30]));
+    fs::write(&segment, &bytes).expect("write");
+    assert_eq!(
+        corrupt_error(dir.path(), 1 << 20),
+        format!(
+            "{}: byte {hole}: checksum mismatch: stored crc32c 0x00000000, computed {:#010x} \
+             (a valid record, lsn 5, written after this one was synced, follows at byte {proof_at}: \
+             damage, not a torn write)",
+            segment.display(),
+            crc32c::crc32c(&[0; 16])
+        )
+    );
+    assert_eq!(fs::read(&segment).expect("read"), bytes, "changed nothing");
 }

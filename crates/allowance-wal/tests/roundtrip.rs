@@ -262,7 +262,7 @@ fn a_full_backlog_refuses_appends_until_the_disk_catches_up() {
     let err = wal.append(&[3; 20]).expect_err("backlog full");
     assert_eq!(
         err.to_string(),
-        "the write-ahead log is 36 bytes behind the disk (at most 40 allowed); try again"
+        "the write-ahead log is 44 bytes behind the disk (at most 40 allowed); try again"
     );
     assert!(!wal.is_failed(), "a backlog is not a failure");
     durable(&rt, &wal, second).expect("durable");
@@ -315,4 +315,54 @@ fn a_lazy_writer_writes_on_its_own_schedule() {
         }
         other => panic!("a zero write_every is refused, got {:?}", other.map(|_| ())),
     }
+}
+
+/// Under `Fsync::Always` the segment being written has zeros synced ahead
+/// of its records, so a record's fsync does not grow the file; a finished
+/// segment and a cleanly closed log end at their last record. `Batch`
+/// writes no zeros.
+#[test]
+fn zeros_are_kept_ahead_of_the_records_only_while_written() {
+    let rt = runtime();
+    let dir = TempDir::new("zeros-ahead");
+    // 64 KiB segments, 1,000-byte records: a roll every ~65 records.
+    let (wal, _) =
+        Wal::open(options(&dir, Fsync::Always, 64 << 10), Arc::new(RealFs)).expect("open");
+    let sizes = |dir: &TempDir| -> Vec<u64> {
+        segment_files(dir.path())
+            .iter()
+            .map(|f| std::fs::metadata(f).expect("stat").len())
+            .collect()
+    };
+    assert_eq!(sizes(&dir), [64 << 10], "zeros ahead from the start");
+    let record = [0xab; 1000];
+    for _ in 0..100 {
+        let lsn = wal.append(&record).expect("append");
+        durable(&rt, &wal, lsn).expect("durable");
+    }
+    let open_sizes = sizes(&dir);
+    assert_eq!(open_sizes.len(), 2, "{open_sizes:?}");
+    // The finished segment ends at its last record (8-byte header, 1,024
+    // bytes a record); the active one is zeroed to its full size.
+    assert_eq!((open_sizes[0] - 8) % 1024, 0, "{open_sizes:?}");
+    assert_eq!(open_sizes[1], 64 << 10);
+    wal.close().expect("close");
+    let closed = sizes(&dir);
+    assert_eq!(closed[0], open_sizes[0]);
+    assert_eq!(closed[0] + closed[1] - 16, 100 * 1024, "{closed:?}");
+    let (wal, recovered) =
+        Wal::open(options(&dir, Fsync::Always, 64 << 10), Arc::new(RealFs)).expect("reopen");
+    assert_eq!((recovered.last_lsn, recovered.torn_tail), (100, None));
+    assert_eq!(read_after(&wal, 0).len(), 100);
+    drop(wal);
+
+    let dir = TempDir::new("no-zeros");
+    let batch = Fsync::Batch {
+        window: Duration::from_millis(1),
+    };
+    let (wal, _) = Wal::open(options(&dir, batch, 64 << 10), Arc::new(RealFs)).expect("open");
+    let lsn = wal.append(&record).expect("append");
+    durable(&rt, &wal, lsn).expect("durable");
+    assert_eq!(wal.sync_all().expect("sync"), 1);
+    assert_eq!(sizes(&dir), [8 + 1024]);
 }
