@@ -258,3 +258,31 @@ fn files_opened_before_a_power_loss_stay_dead_after_it() {
     assert_eq!(new.write_at(b"after", 0).expect("write"), 5);
     new.sync_data().expect("fsync");
 }
+
+/// Zeros that cannot be written ahead (a disk with less room than a chunk
+/// of them) are not a failure: the log opens, and once there is room its
+/// records are appended past what zeros there are, growing the file, and
+/// survive a power loss.
+#[test]
+fn zeros_that_do_not_fit_leave_the_log_appending() {
+    let dir = TempDir::new("zeros-full");
+    let fs = FaultyFs::new();
+    fs.fill_disk(100 << 10);
+    let (wal, _) = Wal::open(WalOptions::new(dir.path()), Arc::new(fs.clone()))
+        .expect("a disk too full for the zeros still opens the log");
+    assert!(!wal.is_failed());
+    fs.recover();
+    let rt = runtime();
+    // 300 KiB of records: past the 100 KiB of zeros that fitted.
+    let acked: Vec<(Lsn, Vec<u8>)> = (1..=300).map(|i| (i, vec![i as u8; 1000])).collect();
+    for (lsn, bytes) in &acked {
+        assert_eq!(wal.append(bytes).expect("append"), *lsn);
+        durable(&rt, &wal, *lsn).expect("durable");
+    }
+    fs.crash(0).expect("power loss");
+    drop(wal);
+    fs.recover();
+    let (wal, recovered) = Wal::open(WalOptions::new(dir.path()), Arc::new(fs)).expect("reopen");
+    assert_eq!((recovered.last_lsn, recovered.torn_tail), (300, None));
+    assert_eq!(read_after(&wal, 0), acked);
+}
