@@ -52,8 +52,9 @@ pub(crate) struct Active {
     /// The size up to which every record is acknowledged (durable under
     /// the policy): what a failure rolls the file back to.
     pub(crate) acked_bytes: u64,
-    /// The file's size: past `bytes`, zeros the writer wrote and synced
-    /// ahead, so that a record's fsync need not commit a new file size.
+    /// The file's size (at most: a failed write of zeros may have grown
+    /// it less): past `bytes`, zeros the writer wrote and synced ahead, so
+    /// that a record's fsync need not commit a new file size.
     pub(crate) zeroed_to: u64,
 }
 

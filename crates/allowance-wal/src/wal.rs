@@ -685,16 +685,18 @@ impl Writer {
         }
         let to = (active.zeroed_to + ZEROS_CHUNK_BYTES).min(limit);
         let zeros = vec![0u8; (to - active.zeroed_to) as usize];
-        if write_all_at(active.file.as_mut(), &zeros, active.zeroed_to).is_err() {
+        let written = write_all_at(active.file.as_mut(), &zeros, active.zeroed_to);
+        // Even a failed write may have grown the file: a roll or a stop
+        // must still cut it back to its last record.
+        active.zeroed_to = to;
+        if written.is_err() {
             self.zeroing = false;
             return Ok(());
         }
         active
             .file
             .sync_data()
-            .map_err(|e| WalError::io("fsync segment", &active.path, e))?;
-        active.zeroed_to = to;
-        Ok(())
+            .map_err(|e| WalError::io("fsync segment", &active.path, e))
     }
 
     /// A clean stop leaves the segment ending at its last record. Best

@@ -268,7 +268,12 @@ fn zeros_that_do_not_fit_leave_the_log_appending() {
     let dir = TempDir::new("zeros-full");
     let fs = FaultyFs::new();
     fs.fill_disk(100 << 10);
-    let (wal, _) = Wal::open(WalOptions::new(dir.path()), Arc::new(fs.clone()))
+    // 200 KiB segments: the records roll into a second one, zeroed again.
+    let options = || WalOptions {
+        segment_bytes: 200 << 10,
+        ..WalOptions::new(dir.path())
+    };
+    let (wal, _) = Wal::open(options(), Arc::new(fs.clone()))
         .expect("a disk too full for the zeros still opens the log");
     assert!(!wal.is_failed());
     fs.recover();
@@ -282,7 +287,8 @@ fn zeros_that_do_not_fit_leave_the_log_appending() {
     fs.crash(0).expect("power loss");
     drop(wal);
     fs.recover();
-    let (wal, recovered) = Wal::open(WalOptions::new(dir.path()), Arc::new(fs)).expect("reopen");
+    let (wal, recovered) = Wal::open(options(), Arc::new(fs)).expect("reopen");
     assert_eq!((recovered.last_lsn, recovered.torn_tail), (300, None));
     assert_eq!(read_after(&wal, 0), acked);
+    assert_eq!(common::segment_files(dir.path()).len(), 2);
 }
