@@ -12,6 +12,9 @@
 # then one `allowance bench --scenario gateway` run measuring them all
 # against the stub, call by call interleaved: 100 / 4,096 / 32,768-token
 # prompts, unique and warm, whole and streamed; medians over ROUNDS rounds.
+# LiteLLM (the reference) has a phase of its own in every round, beside
+# direct calls of that phase, so the CPU it spends after each answer does
+# not land on the gateway's calls (REFERENCE_MIXED=1 interleaves it too).
 # Prints each server's CPU time over the run, then the scenario's table.
 #
 #   scripts/bench-gateway.sh                       # 5 rounds x 40 iterations
@@ -20,6 +23,7 @@
 #   BUILD=0 scripts/bench-gateway.sh               # use the release binaries as they are
 #   PERF=1 LITELLM=0 scripts/bench-gateway.sh      # also profile the in-memory gateway (perf)
 #   BIN=/path/to/allowance scripts/bench-gateway.sh # measure another build (no cargo build)
+#   REFERENCE_MIXED=1 scripts/bench-gateway.sh     # LiteLLM interleaved call by call with the rest
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,6 +38,7 @@ PERF=${PERF:-0}
 KEY=sk-allowance-bench-key
 VENV=target/bench-venv
 BUILD=${BUILD:-1}
+REFERENCE_MIXED=${REFERENCE_MIXED:-0}
 
 # BIN (the gateway and the bench client) and STUB may name other builds,
 # e.g. a copy kept to compare against; then nothing is built.
@@ -182,6 +187,7 @@ EOF
     if [ "$up" = 1 ]; then
       echo "LiteLLM $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("litellm"))'): http://127.0.0.1:$port" >&2
       targets+=(--target "litellm=http://127.0.0.1:$port" --reference litellm)
+      [ "$REFERENCE_MIXED" = 1 ] && targets+=(--reference-mixed)
       watched+=(litellm:$litellm)
     else
       litellm_note="LiteLLM: not measured: its proxy did not come up: $(tail -n 5 "$out/litellm.log" | tr '\n' ' ')"

@@ -281,6 +281,15 @@ pub struct GatewayBenchOptions {
     /// A target whose overheads the others' are divided by (LiteLLM), so
     /// the report gives "×reference" ratios from the same run.
     pub reference: Option<String>,
+    /// Whether the reference is measured in a phase of its own in every
+    /// round (with direct calls of that phase to compare it with), rather
+    /// than interleaved call by call with the other targets. A reference
+    /// such as LiteLLM's proxy keeps a core busy after each answer
+    /// (logging, cost tracking: 34-38 s of CPU over a 57 s run here); on a
+    /// 2-core machine that work would otherwise run during the next
+    /// endpoint's call and be counted as the gateway's overhead. Ignored
+    /// without a reference.
+    pub reference_apart: bool,
     /// How progress is shown.
     pub progress: Progress,
 }
@@ -302,6 +311,7 @@ impl GatewayBenchOptions {
             warmup_iterations: 5,
             concurrency: 1,
             reference: None,
+            reference_apart: true,
             progress: Progress::Off,
         }
     }
@@ -880,7 +890,19 @@ struct WorkerResult {
 /// Shared, read-only state of a run.
 struct Plan {
     opts: GatewayBenchOptions,
+    /// The direct endpoint first, then the targets in the order given; with
+    /// the reference apart, a second direct endpoint last (the same URL,
+    /// called in the reference's phase).
     endpoints: Vec<Endpoint>,
+    /// Each phase's endpoints, its direct one first: one phase with every
+    /// endpoint, or the reference's own second phase.
+    phases: Vec<Vec<usize>>,
+    /// For each endpoint, the direct endpoint it is compared with (itself
+    /// for a direct one).
+    direct_of: Vec<usize>,
+    /// Lines the workers up at each phase's start, so that one worker's
+    /// reference calls never overlap another's gateway calls.
+    phase_barrier: tokio::sync::Barrier,
     shapes: Vec<Shape>,
     prompts: BTreeMap<(u64, Prefix), Prompt>,
     nonces: Nonces,
@@ -888,9 +910,15 @@ struct Plan {
     errors_seen: AtomicU64,
 }
 
-/// A worker: `warmup_iterations` then `rounds × iterations` iterations,
-/// each calling every shape on every endpoint, the endpoint order rotating
-/// by one every iteration (and differing between workers).
+/// How long a worker waits at each change of phase, so that what an
+/// endpoint does after its last answer (LiteLLM's logging and cost
+/// tracking) is over before the next phase's first call.
+const PHASE_PAUSE: Duration = Duration::from_millis(250);
+
+/// A worker: `warmup_iterations` then `rounds × iterations` iterations of
+/// each phase in turn, each iteration calling every shape on every endpoint
+/// of its phase, the endpoint order rotating by one every iteration (and
+/// differing between workers).
 async fn worker(
     index: usize,
     plan: Arc<Plan>,
@@ -902,86 +930,101 @@ async fn worker(
     let mut conns: Vec<Option<Conn>> = (0..n).map(|_| None).collect();
     let mut samples = Samples::new(opts.rounds, n, plan.shapes.len());
     let mut errors: BTreeMap<(usize, String), u64> = BTreeMap::new();
-    let total = opts.warmup_iterations + opts.rounds * opts.iterations;
     let started = Instant::now();
-    for iteration in 0..total {
-        let round = iteration
-            .checked_sub(opts.warmup_iterations)
-            .map(|i| i / opts.iterations);
-        for (s, shape) in plan.shapes.iter().enumerate() {
-            let Some(prompt) = plan.prompts.get(&(shape.prompt_tokens, shape.prefix)) else {
-                continue;
-            };
-            // One body for every endpoint: they all see the same bytes.
-            let body = request_body(
-                opts,
-                shape.prefix,
-                &prompt.bulk,
-                shape.delivery,
-                &plan.nonces.next(),
-            );
-            for k in 0..n {
-                let e = (k + iteration + index) % n;
-                let ep = &plan.endpoints[e];
-                let result = match &mut conns[e] {
-                    Some(c) => c.exchange(ep, body.clone(), false).await,
-                    None => match Conn::open(&ep.addr).await {
-                        Ok(c) => conns[e].insert(c).exchange(ep, body.clone(), false).await,
-                        Err(err) => Err(err),
-                    },
+    let blocks = std::iter::once((None, opts.warmup_iterations))
+        .chain((0..opts.rounds).map(|r| (Some(r), opts.iterations)));
+    let mut first_phase = true;
+    for (round, iterations) in blocks {
+        for phase in &plan.phases {
+            if plan.phases.len() > 1 {
+                plan.phase_barrier.wait().await;
+                if !first_phase {
+                    tokio::time::sleep(PHASE_PAUSE).await;
                 }
-                .and_then(|x| check(&x, shape.delivery).map(|()| x));
-                plan.calls_done.fetch_add(1, Ordering::Relaxed);
-                match result {
-                    Ok(x) => {
-                        if let Some(r) = round {
-                            match shape.delivery {
-                                Delivery::Whole => samples.at(r, e, s, Metric::Total).push(x.end),
-                                Delivery::Stream => {
-                                    samples.at(r, e, s, Metric::FirstByte).push(x.first_byte);
-                                    samples.at(r, e, s, Metric::End).push(x.end);
+            }
+            first_phase = false;
+            let m = phase.len();
+            for iteration in 0..iterations {
+                for (s, shape) in plan.shapes.iter().enumerate() {
+                    let Some(prompt) = plan.prompts.get(&(shape.prompt_tokens, shape.prefix))
+                    else {
+                        continue;
+                    };
+                    // One body for every endpoint: they all see the same bytes.
+                    let body = request_body(
+                        opts,
+                        shape.prefix,
+                        &prompt.bulk,
+                        shape.delivery,
+                        &plan.nonces.next(),
+                    );
+                    for k in 0..m {
+                        let e = phase[(k + iteration + index) % m];
+                        let ep = &plan.endpoints[e];
+                        let result = match &mut conns[e] {
+                            Some(c) => c.exchange(ep, body.clone(), false).await,
+                            None => match Conn::open(&ep.addr).await {
+                                Ok(c) => conns[e].insert(c).exchange(ep, body.clone(), false).await,
+                                Err(err) => Err(err),
+                            },
+                        }
+                        .and_then(|x| check(&x, shape.delivery).map(|()| x));
+                        plan.calls_done.fetch_add(1, Ordering::Relaxed);
+                        match result {
+                            Ok(x) => {
+                                if let Some(r) = round {
+                                    match shape.delivery {
+                                        Delivery::Whole => {
+                                            samples.at(r, e, s, Metric::Total).push(x.end)
+                                        }
+                                        Delivery::Stream => {
+                                            samples
+                                                .at(r, e, s, Metric::FirstByte)
+                                                .push(x.first_byte);
+                                            samples.at(r, e, s, Metric::End).push(x.end);
+                                        }
+                                    }
+                                }
+                            }
+                            Err(err) => {
+                                if err.breaks_connection() {
+                                    conns[e] = None;
+                                }
+                                if round.is_some() {
+                                    plan.errors_seen.fetch_add(1, Ordering::Relaxed);
+                                    *errors.entry((e, err.kind())).or_default() += 1;
                                 }
                             }
                         }
                     }
-                    Err(err) => {
-                        if err.breaks_connection() {
-                            conns[e] = None;
-                        }
-                        if round.is_some() {
-                            plan.errors_seen.fetch_add(1, Ordering::Relaxed);
-                            *errors.entry((e, err.kind())).or_default() += 1;
-                        }
-                    }
+                }
+                if let Some(bar) = &bar {
+                    bar.inc(1);
+                    bar.set_message(match round {
+                        None => "warming up".to_owned(),
+                        Some(r) => format!(
+                            "round {}/{} · {} calls · {} errors",
+                            r + 1,
+                            opts.rounds,
+                            plan.calls_done.load(Ordering::Relaxed),
+                            plan.errors_seen.load(Ordering::Relaxed)
+                        ),
+                    });
                 }
             }
         }
-        if let Some(bar) = &bar {
-            bar.inc(1);
-            bar.set_message(match round {
-                None => "warming up".to_owned(),
-                Some(r) => format!(
-                    "round {}/{} · {} calls · {} errors",
-                    r + 1,
-                    opts.rounds,
-                    plan.calls_done.load(Ordering::Relaxed),
-                    plan.errors_seen.load(Ordering::Relaxed)
-                ),
-            });
-        }
-        let done = iteration + 1;
-        if lines && index == 0 && done > opts.warmup_iterations {
-            let measured = done - opts.warmup_iterations;
-            if measured.is_multiple_of(opts.iterations) {
-                eprintln!(
-                    "bench: gateway round {}/{} done at {:.1} s · {} calls · {} errors",
-                    measured / opts.iterations,
-                    opts.rounds,
-                    started.elapsed().as_secs_f64(),
-                    plan.calls_done.load(Ordering::Relaxed),
-                    plan.errors_seen.load(Ordering::Relaxed)
-                );
-            }
+        if lines
+            && index == 0
+            && let Some(r) = round
+        {
+            eprintln!(
+                "bench: gateway round {}/{} done at {:.1} s · {} calls · {} errors",
+                r + 1,
+                opts.rounds,
+                started.elapsed().as_secs_f64(),
+                plan.calls_done.load(Ordering::Relaxed),
+                plan.errors_seen.load(Ordering::Relaxed)
+            );
         }
     }
     WorkerResult { samples, errors }
@@ -1006,6 +1049,9 @@ pub struct TargetFigures {
     pub name: String,
     /// Its own latency.
     pub figures: Figures,
+    /// The direct calls it is compared with: the row's, or those of the
+    /// reference's own phase (see [`GatewayBenchOptions::reference_apart`]).
+    pub direct: Figures,
     /// Median over rounds of (target p50 − direct p50) in that round, in
     /// milliseconds (signed: noise can make it negative).
     pub overhead_p50_ms: f64,
@@ -1075,6 +1121,9 @@ pub struct GatewayReport {
     pub concurrency: usize,
     /// The target the others' overheads are divided by.
     pub reference: Option<String>,
+    /// Whether the reference had a phase of its own in every round (see
+    /// [`GatewayBenchOptions::reference_apart`]).
+    pub reference_apart: bool,
     /// The prompts as calibrated.
     pub prompts: Vec<PromptSize>,
     /// Every shape and metric.
@@ -1144,9 +1193,15 @@ fn build_report(
     let mut rows = Vec::new();
     for (s, shape) in plan.shapes.iter().enumerate() {
         for &metric in shape.delivery.metrics() {
-            let (direct_rounds, direct) = figures_of(samples, opts.rounds, 0, s, metric);
+            let (_, direct) = figures_of(samples, opts.rounds, 0, s, metric);
             let mut targets = Vec::new();
-            for (e, ep) in plan.endpoints.iter().enumerate().skip(1) {
+            for (e, ep) in plan.endpoints.iter().enumerate() {
+                let d = plan.direct_of[e];
+                if d == e {
+                    continue;
+                }
+                // Against the direct calls of the target's own phase.
+                let (direct_rounds, direct) = figures_of(samples, opts.rounds, d, s, metric);
                 let (rounds, figures) = figures_of(samples, opts.rounds, e, s, metric);
                 let rounds_overhead_p50_ms: Vec<f64> = rounds
                     .iter()
@@ -1162,6 +1217,7 @@ fn build_report(
                 targets.push(TargetFigures {
                     name: ep.name.clone(),
                     figures,
+                    direct,
                     overhead_p50_ms,
                     overhead_p99_ms,
                     rounds_overhead_p50_ms,
@@ -1192,6 +1248,7 @@ fn build_report(
         iterations: opts.iterations,
         concurrency: opts.concurrency,
         reference: opts.reference.clone(),
+        reference_apart: plan.phases.len() > 1,
         prompts: plan
             .prompts
             .iter()
@@ -1210,7 +1267,13 @@ fn build_report(
 /// Checks every endpoint answers every shape before measuring, so a
 /// misconfigured target is one clear error rather than a table of failures.
 async fn preflight(plan: &Plan) -> Result<(), BenchError> {
-    for (e, ep) in plan.endpoints.iter().enumerate() {
+    // The reference phase's direct endpoint is the direct one again.
+    for (e, ep) in plan
+        .endpoints
+        .iter()
+        .enumerate()
+        .take(plan.opts.targets.len() + 1)
+    {
         let field = if e == 0 { "direct" } else { "target" };
         let mut conn = Conn::open(&ep.addr).await.map_err(|err| match err {
             CallError::Connect | CallError::Timeout => BenchError::Connect {
@@ -1261,6 +1324,32 @@ async fn preflight(plan: &Plan) -> Result<(), BenchError> {
     Ok(())
 }
 
+/// The phases of a round and each endpoint's direct counterpart: one phase
+/// of every endpoint, or, with the reference apart, the others first and
+/// then the reference beside a second direct endpoint pushed on
+/// `endpoints`.
+fn phases(
+    opts: &GatewayBenchOptions,
+    endpoints: &mut Vec<Endpoint>,
+) -> (Vec<Vec<usize>>, Vec<usize>) {
+    let n = endpoints.len();
+    let reference = opts
+        .reference
+        .as_ref()
+        .filter(|_| opts.reference_apart)
+        .and_then(|name| (1..n).find(|&e| &endpoints[e].name == name));
+    let Some(reference) = reference else {
+        return (vec![(0..n).collect()], vec![0; n]);
+    };
+    let second_direct = n;
+    endpoints.push(endpoints[0].clone());
+    let mut direct_of = vec![0; n + 1];
+    direct_of[reference] = second_direct;
+    direct_of[second_direct] = second_direct;
+    let first = (0..n).filter(|&e| e != reference).collect();
+    (vec![first, vec![second_direct, reference]], direct_of)
+}
+
 /// Runs the `gateway` scenario: calibrates the prompt sizes against
 /// `opts.direct`, checks every endpoint answers, then measures every shape
 /// on every endpoint, interleaved, and reports the overheads.
@@ -1281,9 +1370,13 @@ pub async fn run_gateway(opts: &GatewayBenchOptions) -> Result<GatewayReport, Be
     }
     let nonces = Nonces::new();
     let prompts = calibrate(opts, &endpoints[0], &nonces).await?;
+    let (phases, direct_of) = phases(opts, &mut endpoints);
     let plan = Arc::new(Plan {
         opts: opts.clone(),
         shapes: opts.shapes(),
+        phase_barrier: tokio::sync::Barrier::new(opts.concurrency),
+        phases,
+        direct_of,
         endpoints,
         prompts,
         nonces,
@@ -1292,7 +1385,7 @@ pub async fn run_gateway(opts: &GatewayBenchOptions) -> Result<GatewayReport, Be
     });
     preflight(&plan).await?;
 
-    let per_worker = opts.warmup_iterations + opts.rounds * opts.iterations;
+    let per_worker = (opts.warmup_iterations + opts.rounds * opts.iterations) * plan.phases.len();
     let bar = (opts.progress == Progress::Bar).then(|| {
         let bar = ProgressBar::new((per_worker * opts.concurrency) as u64);
         // The template is a constant; should it ever not parse, the default bar still works.
@@ -1401,6 +1494,12 @@ impl fmt::Display for GatewayReport {
         for t in &self.targets {
             writeln!(f, "target {}: {}", t.name, t.url)?;
         }
+        if let (Some(reference), true) = (&self.reference, self.reference_apart) {
+            writeln!(
+                f,
+                "{reference} is measured in a phase of its own in every round, after the others, against direct calls of that phase (its work after an answer does not land on the others' calls)"
+            )?;
+        }
         let prompts: Vec<String> = self
             .prompts
             .iter()
@@ -1459,10 +1558,10 @@ impl fmt::Display for GatewayReport {
                 millis(row.direct.p99)
             )?;
             for t in &row.targets {
-                let ratio = if row.direct.p50.is_zero() {
+                let ratio = if t.direct.p50.is_zero() {
                     f64::NAN
                 } else {
-                    t.figures.p50.as_secs_f64() / row.direct.p50.as_secs_f64()
+                    t.figures.p50.as_secs_f64() / t.direct.p50.as_secs_f64()
                 };
                 writeln!(
                     f,
@@ -1650,10 +1749,31 @@ mod tests {
     /// a chat completion, or streams one in two parts `STREAM_GAP` apart;
     /// `delay` before answering makes it a "gateway" with a known overhead.
     fn fake(delay: Duration, status: StatusCode) -> axum::Router {
+        fake_sharing(delay, status, Arc::default(), Duration::ZERO)
+    }
+
+    /// A fake that answers only while it holds `busy`, and keeps holding it
+    /// for `linger` after each answer: an endpoint whose work goes on after
+    /// its answer, on a resource (the machine's cores) another one needs.
+    fn fake_sharing(
+        delay: Duration,
+        status: StatusCode,
+        busy: Arc<tokio::sync::Mutex<()>>,
+        linger: Duration,
+    ) -> axum::Router {
         use axum::response::IntoResponse;
         axum::Router::new().route(
             "/v1/chat/completions",
             axum::routing::post(move |body: Bytes| async move {
+                let held = Arc::clone(&busy).lock_owned().await;
+                if linger.is_zero() {
+                    drop(held);
+                } else {
+                    tokio::spawn(async move {
+                        tokio::time::sleep(linger).await;
+                        drop(held);
+                    });
+                }
                 tokio::time::sleep(delay).await;
                 if status != StatusCode::OK {
                     return (status, "{\"error\": {\"message\": \"refused\"}}").into_response();
@@ -1711,6 +1831,60 @@ mod tests {
             let _ = axum::serve(listener, router).await;
         });
         format!("http://{addr}")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reference_apart_keeps_its_lingering_work_off_the_others_calls() {
+        // Longer than a stream's gap (the call between two of the
+        // reference's may take that long), shorter than PHASE_PAUSE.
+        const LINGER: Duration = Duration::from_millis(100);
+        let direct = serve(fake(Duration::ZERO, StatusCode::OK)).await;
+        for apart in [true, false] {
+            let busy = Arc::default();
+            let gateway = serve(fake_sharing(
+                Duration::ZERO,
+                StatusCode::OK,
+                Arc::clone(&busy),
+                Duration::ZERO,
+            ))
+            .await;
+            let reference = serve(fake_sharing(Duration::ZERO, StatusCode::OK, busy, LINGER)).await;
+            let opts = GatewayBenchOptions {
+                prompt_sizes_tokens: vec![64],
+                rounds: 2,
+                iterations: 3,
+                warmup_iterations: 1,
+                reference: Some("reference".into()),
+                reference_apart: apart,
+                ..GatewayBenchOptions::new(
+                    direct.clone(),
+                    vec![
+                        format!("gateway={gateway}").parse().unwrap(),
+                        format!("reference={reference}").parse().unwrap(),
+                    ],
+                )
+            };
+            let report = run_gateway(&opts).await.unwrap();
+            assert!(report.errors.is_empty(), "{:?}", report.errors);
+            assert_eq!(report.reference_apart, apart);
+            let row = report
+                .rows
+                .iter()
+                .find(|r| r.shape.prefix == Prefix::Unique && r.metric == Metric::Total)
+                .unwrap();
+            let [gw, rf] = &row.targets[..] else {
+                panic!("two targets: {row:?}")
+            };
+            assert_eq!(
+                (gw.name.as_str(), rf.name.as_str()),
+                ("gateway", "reference")
+            );
+            // Each compared with as many direct calls as it made itself.
+            assert_eq!(gw.direct.count, gw.figures.count);
+            assert_eq!(rf.direct.count, rf.figures.count);
+            let waited = gw.overhead_p50_ms >= millis(LINGER) / 10.0;
+            assert_eq!(waited, !apart, "apart {apart}: {row:?}");
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

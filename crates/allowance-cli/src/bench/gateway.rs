@@ -77,6 +77,11 @@ pub struct GatewayArgs {
     /// gateway: a target whose overhead the others' are divided by (e.g. litellm).
     #[arg(long)]
     reference: Option<String>,
+    /// gateway: interleave the reference call by call with the other targets instead of
+    /// measuring it in a phase of its own in every round (its work after each answer then
+    /// lands on the others' calls).
+    #[arg(long)]
+    reference_mixed: bool,
 }
 
 /// Runs the `gateway` scenario with `concurrency` workers (1 unless given).
@@ -94,6 +99,7 @@ pub async fn bench(args: GatewayArgs, concurrency: Option<usize>) -> anyhow::Res
         warmup_iterations: args.warmup_iterations,
         concurrency: concurrency.unwrap_or(1),
         reference: args.reference,
+        reference_apart: !args.reference_mixed,
         progress: Progress::auto(),
         ..GatewayBenchOptions::new(direct, args.targets)
     };
