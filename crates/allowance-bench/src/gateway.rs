@@ -1752,26 +1752,27 @@ mod tests {
         fake_sharing(delay, status, Arc::default(), Duration::ZERO)
     }
 
-    /// A fake that answers only while it holds `busy`, and keeps holding it
-    /// for `linger` after each answer: an endpoint whose work goes on after
-    /// its answer, on a resource (the machine's cores) another one needs.
+    /// A fake sharing `busy` (the machine's cores) with others: with no
+    /// `linger` it answers only once it has `busy` to itself; with one, it
+    /// keeps a share of `busy` for `linger` after each answer (an endpoint
+    /// whose work goes on after its answer) and never waits for it itself.
     fn fake_sharing(
         delay: Duration,
         status: StatusCode,
-        busy: Arc<tokio::sync::Mutex<()>>,
+        busy: Arc<tokio::sync::RwLock<()>>,
         linger: Duration,
     ) -> axum::Router {
         use axum::response::IntoResponse;
         axum::Router::new().route(
             "/v1/chat/completions",
             axum::routing::post(move |body: Bytes| async move {
-                let held = Arc::clone(&busy).lock_owned().await;
                 if linger.is_zero() {
-                    drop(held);
+                    drop(busy.write().await);
                 } else {
+                    let share = Arc::clone(&busy).read_owned().await;
                     tokio::spawn(async move {
                         tokio::time::sleep(linger).await;
-                        drop(held);
+                        drop(share);
                     });
                 }
                 tokio::time::sleep(delay).await;
@@ -1839,7 +1840,9 @@ mod tests {
         // reference's may take that long), shorter than PHASE_PAUSE.
         const LINGER: Duration = Duration::from_millis(100);
         let direct = serve(fake(Duration::ZERO, StatusCode::OK)).await;
-        for apart in [true, false] {
+        // Two workers apart: the phases line them up, so neither worker's
+        // reference calls overlap the other's gateway calls.
+        for (apart, concurrency) in [(true, 1), (false, 1), (true, 2)] {
             let busy = Arc::default();
             let gateway = serve(fake_sharing(
                 Duration::ZERO,
@@ -1852,10 +1855,11 @@ mod tests {
             let opts = GatewayBenchOptions {
                 prompt_sizes_tokens: vec![64],
                 rounds: 2,
-                iterations: 3,
+                iterations: 2,
                 warmup_iterations: 1,
                 reference: Some("reference".into()),
                 reference_apart: apart,
+                concurrency,
                 ..GatewayBenchOptions::new(
                     direct.clone(),
                     vec![
@@ -1883,7 +1887,10 @@ mod tests {
             assert_eq!(gw.direct.count, gw.figures.count);
             assert_eq!(rf.direct.count, rf.figures.count);
             let waited = gw.overhead_p50_ms >= millis(LINGER) / 10.0;
-            assert_eq!(waited, !apart, "apart {apart}: {row:?}");
+            assert_eq!(
+                waited, !apart,
+                "apart {apart}, {concurrency} workers: {row:?}"
+            );
         }
     }
 
