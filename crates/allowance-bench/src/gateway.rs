@@ -915,6 +915,62 @@ struct Plan {
 /// tracking) is over before the next phase's first call.
 const PHASE_PAUSE: Duration = Duration::from_millis(250);
 
+/// A worker's connections (one per endpoint, opened on first use) and what
+/// it measured.
+struct WorkerState {
+    conns: Vec<Option<Conn>>,
+    samples: Samples,
+    errors: BTreeMap<(usize, String), u64>,
+}
+
+impl WorkerState {
+    /// Sends `body` (shape `s`) to endpoint `e` and records the times, in
+    /// `round` (none while warming up), or the failure.
+    async fn call(
+        &mut self,
+        plan: &Plan,
+        e: usize,
+        s: usize,
+        delivery: Delivery,
+        body: Bytes,
+        round: Option<usize>,
+    ) {
+        let ep = &plan.endpoints[e];
+        let result = match &mut self.conns[e] {
+            Some(c) => c.exchange(ep, body, false).await,
+            None => match Conn::open(&ep.addr).await {
+                Ok(c) => self.conns[e].insert(c).exchange(ep, body, false).await,
+                Err(err) => Err(err),
+            },
+        }
+        .and_then(|x| check(&x, delivery).map(|()| x));
+        plan.calls_done.fetch_add(1, Ordering::Relaxed);
+        match result {
+            Ok(x) => {
+                let Some(r) = round else { return };
+                match delivery {
+                    Delivery::Whole => self.samples.at(r, e, s, Metric::Total).push(x.end),
+                    Delivery::Stream => {
+                        self.samples
+                            .at(r, e, s, Metric::FirstByte)
+                            .push(x.first_byte);
+                        self.samples.at(r, e, s, Metric::End).push(x.end);
+                    }
+                }
+            }
+            Err(err) => {
+                if err.breaks_connection() {
+                    self.conns[e] = None;
+                }
+                if round.is_some() {
+                    plan.errors_seen.fetch_add(1, Ordering::Relaxed);
+                    *self.errors.entry((e, err.kind())).or_default() += 1;
+                }
+            }
+        }
+    }
+}
+
 /// A worker: `warmup_iterations` then `rounds × iterations` iterations of
 /// each phase in turn, each iteration calling every shape on every endpoint
 /// of its phase, the endpoint order rotating by one every iteration (and
@@ -927,9 +983,11 @@ async fn worker(
 ) -> WorkerResult {
     let opts = &plan.opts;
     let n = plan.endpoints.len();
-    let mut conns: Vec<Option<Conn>> = (0..n).map(|_| None).collect();
-    let mut samples = Samples::new(opts.rounds, n, plan.shapes.len());
-    let mut errors: BTreeMap<(usize, String), u64> = BTreeMap::new();
+    let mut state = WorkerState {
+        conns: (0..n).map(|_| None).collect(),
+        samples: Samples::new(opts.rounds, n, plan.shapes.len()),
+        errors: BTreeMap::new(),
+    };
     let started = Instant::now();
     let blocks = std::iter::once((None, opts.warmup_iterations))
         .chain((0..opts.rounds).map(|r| (Some(r), opts.iterations)));
@@ -943,7 +1001,6 @@ async fn worker(
                 }
             }
             first_phase = false;
-            let m = phase.len();
             for iteration in 0..iterations {
                 for (s, shape) in plan.shapes.iter().enumerate() {
                     let Some(prompt) = plan.prompts.get(&(shape.prompt_tokens, shape.prefix))
@@ -958,44 +1015,11 @@ async fn worker(
                         shape.delivery,
                         &plan.nonces.next(),
                     );
-                    for k in 0..m {
-                        let e = phase[(k + iteration + index) % m];
-                        let ep = &plan.endpoints[e];
-                        let result = match &mut conns[e] {
-                            Some(c) => c.exchange(ep, body.clone(), false).await,
-                            None => match Conn::open(&ep.addr).await {
-                                Ok(c) => conns[e].insert(c).exchange(ep, body.clone(), false).await,
-                                Err(err) => Err(err),
-                            },
-                        }
-                        .and_then(|x| check(&x, shape.delivery).map(|()| x));
-                        plan.calls_done.fetch_add(1, Ordering::Relaxed);
-                        match result {
-                            Ok(x) => {
-                                if let Some(r) = round {
-                                    match shape.delivery {
-                                        Delivery::Whole => {
-                                            samples.at(r, e, s, Metric::Total).push(x.end)
-                                        }
-                                        Delivery::Stream => {
-                                            samples
-                                                .at(r, e, s, Metric::FirstByte)
-                                                .push(x.first_byte);
-                                            samples.at(r, e, s, Metric::End).push(x.end);
-                                        }
-                                    }
-                                }
-                            }
-                            Err(err) => {
-                                if err.breaks_connection() {
-                                    conns[e] = None;
-                                }
-                                if round.is_some() {
-                                    plan.errors_seen.fetch_add(1, Ordering::Relaxed);
-                                    *errors.entry((e, err.kind())).or_default() += 1;
-                                }
-                            }
-                        }
+                    for k in 0..phase.len() {
+                        let e = phase[(k + iteration + index) % phase.len()];
+                        state
+                            .call(&plan, e, s, shape.delivery, body.clone(), round)
+                            .await;
                     }
                 }
                 if let Some(bar) = &bar {
@@ -1027,7 +1051,10 @@ async fn worker(
             );
         }
     }
-    WorkerResult { samples, errors }
+    WorkerResult {
+        samples: state.samples,
+        errors: state.errors,
+    }
 }
 
 /// One endpoint's figures for one shape and metric.
