@@ -286,9 +286,9 @@ pub struct GatewayBenchOptions {
     /// than interleaved call by call with the other targets. A reference
     /// such as LiteLLM's proxy keeps a core busy after each answer
     /// (logging, cost tracking: 34-38 s of CPU over a 57 s run here); on a
-    /// 2-core machine that work would otherwise run during the next
-    /// endpoint's call and be counted as the gateway's overhead. Ignored
-    /// without a reference.
+    /// 2-core machine that work can otherwise run during the next
+    /// endpoint's call and count as the gateway's overhead. Ignored without
+    /// a reference.
     pub reference_apart: bool,
     /// How progress is shown.
     pub progress: Progress,
@@ -897,9 +897,6 @@ struct Plan {
     /// Each phase's endpoints, its direct one first: one phase with every
     /// endpoint, or the reference's own second phase.
     phases: Vec<Vec<usize>>,
-    /// For each endpoint, the direct endpoint it is compared with (itself
-    /// for a direct one).
-    direct_of: Vec<usize>,
     /// Lines the workers up at each phase's start, so that one worker's
     /// reference calls never overlap another's gateway calls.
     phase_barrier: tokio::sync::Barrier,
@@ -908,6 +905,17 @@ struct Plan {
     nonces: Nonces,
     calls_done: AtomicU64,
     errors_seen: AtomicU64,
+}
+
+impl Plan {
+    /// The direct endpoint that endpoint `e` is compared with: the first of
+    /// its phase (`e` itself for a direct one).
+    fn direct_of(&self, e: usize) -> usize {
+        self.phases
+            .iter()
+            .find(|phase| phase.contains(&e))
+            .map_or(0, |phase| phase[0])
+    }
 }
 
 /// How long a worker waits at each change of phase, so that what an
@@ -919,8 +927,7 @@ const PHASE_PAUSE: Duration = Duration::from_millis(250);
 /// it measured.
 struct WorkerState {
     conns: Vec<Option<Conn>>,
-    samples: Samples,
-    errors: BTreeMap<(usize, String), u64>,
+    measured: WorkerResult,
 }
 
 impl WorkerState {
@@ -949,12 +956,13 @@ impl WorkerState {
             Ok(x) => {
                 let Some(r) = round else { return };
                 match delivery {
-                    Delivery::Whole => self.samples.at(r, e, s, Metric::Total).push(x.end),
+                    Delivery::Whole => self.measured.samples.at(r, e, s, Metric::Total).push(x.end),
                     Delivery::Stream => {
-                        self.samples
+                        self.measured
+                            .samples
                             .at(r, e, s, Metric::FirstByte)
                             .push(x.first_byte);
-                        self.samples.at(r, e, s, Metric::End).push(x.end);
+                        self.measured.samples.at(r, e, s, Metric::End).push(x.end);
                     }
                 }
             }
@@ -964,7 +972,7 @@ impl WorkerState {
                 }
                 if round.is_some() {
                     plan.errors_seen.fetch_add(1, Ordering::Relaxed);
-                    *self.errors.entry((e, err.kind())).or_default() += 1;
+                    *self.measured.errors.entry((e, err.kind())).or_default() += 1;
                 }
             }
         }
@@ -985,22 +993,23 @@ async fn worker(
     let n = plan.endpoints.len();
     let mut state = WorkerState {
         conns: (0..n).map(|_| None).collect(),
-        samples: Samples::new(opts.rounds, n, plan.shapes.len()),
-        errors: BTreeMap::new(),
+        measured: WorkerResult {
+            samples: Samples::new(opts.rounds, n, plan.shapes.len()),
+            errors: BTreeMap::new(),
+        },
     };
     let started = Instant::now();
     let blocks = std::iter::once((None, opts.warmup_iterations))
         .chain((0..opts.rounds).map(|r| (Some(r), opts.iterations)));
-    let mut first_phase = true;
     for (round, iterations) in blocks {
-        for phase in &plan.phases {
+        for (p, phase) in plan.phases.iter().enumerate() {
             if plan.phases.len() > 1 {
                 plan.phase_barrier.wait().await;
-                if !first_phase {
+                // Every phase but the run's very first follows another.
+                if round.is_some() || p > 0 {
                     tokio::time::sleep(PHASE_PAUSE).await;
                 }
             }
-            first_phase = false;
             for iteration in 0..iterations {
                 for (s, shape) in plan.shapes.iter().enumerate() {
                     let Some(prompt) = plan.prompts.get(&(shape.prompt_tokens, shape.prefix))
@@ -1051,10 +1060,7 @@ async fn worker(
             );
         }
     }
-    WorkerResult {
-        samples: state.samples,
-        errors: state.errors,
-    }
+    state.measured
 }
 
 /// One endpoint's figures for one shape and metric.
@@ -1220,10 +1226,10 @@ fn build_report(
     let mut rows = Vec::new();
     for (s, shape) in plan.shapes.iter().enumerate() {
         for &metric in shape.delivery.metrics() {
-            let (_, direct) = figures_of(samples, opts.rounds, 0, s, metric);
+            let (_, row_direct) = figures_of(samples, opts.rounds, 0, s, metric);
             let mut targets = Vec::new();
             for (e, ep) in plan.endpoints.iter().enumerate() {
-                let d = plan.direct_of[e];
+                let d = plan.direct_of(e);
                 if d == e {
                     continue;
                 }
@@ -1253,7 +1259,7 @@ fn build_report(
             rows.push(GatewayRow {
                 shape: *shape,
                 metric,
-                direct,
+                direct: row_direct,
                 targets,
             });
         }
@@ -1351,14 +1357,10 @@ async fn preflight(plan: &Plan) -> Result<(), BenchError> {
     Ok(())
 }
 
-/// The phases of a round and each endpoint's direct counterpart: one phase
-/// of every endpoint, or, with the reference apart, the others first and
-/// then the reference beside a second direct endpoint pushed on
-/// `endpoints`.
-fn phases(
-    opts: &GatewayBenchOptions,
-    endpoints: &mut Vec<Endpoint>,
-) -> (Vec<Vec<usize>>, Vec<usize>) {
+/// The phases of a round, each its direct endpoint first: one phase of
+/// every endpoint, or, with the reference apart, the others first and then
+/// the reference beside a second direct endpoint pushed on `endpoints`.
+fn phases(opts: &GatewayBenchOptions, endpoints: &mut Vec<Endpoint>) -> Vec<Vec<usize>> {
     let n = endpoints.len();
     let reference = opts
         .reference
@@ -1366,15 +1368,12 @@ fn phases(
         .filter(|_| opts.reference_apart)
         .and_then(|name| (1..n).find(|&e| &endpoints[e].name == name));
     let Some(reference) = reference else {
-        return (vec![(0..n).collect()], vec![0; n]);
+        return vec![(0..n).collect()];
     };
     let second_direct = n;
     endpoints.push(endpoints[0].clone());
-    let mut direct_of = vec![0; n + 1];
-    direct_of[reference] = second_direct;
-    direct_of[second_direct] = second_direct;
     let first = (0..n).filter(|&e| e != reference).collect();
-    (vec![first, vec![second_direct, reference]], direct_of)
+    vec![first, vec![second_direct, reference]]
 }
 
 /// Runs the `gateway` scenario: calibrates the prompt sizes against
@@ -1397,13 +1396,12 @@ pub async fn run_gateway(opts: &GatewayBenchOptions) -> Result<GatewayReport, Be
     }
     let nonces = Nonces::new();
     let prompts = calibrate(opts, &endpoints[0], &nonces).await?;
-    let (phases, direct_of) = phases(opts, &mut endpoints);
+    let phases = phases(opts, &mut endpoints);
     let plan = Arc::new(Plan {
         opts: opts.clone(),
         shapes: opts.shapes(),
         phase_barrier: tokio::sync::Barrier::new(opts.concurrency),
         phases,
-        direct_of,
         endpoints,
         prompts,
         nonces,
