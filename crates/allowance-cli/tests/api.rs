@@ -616,8 +616,51 @@ async fn operations_routes() {
     }
     assert!(doc["components"]["schemas"].get("ReserveBody").is_some());
 
+    // The error object: one schema every error matches, the denial's fields
+    // optional in it (not `allOf` a denial-or-null, which only denials match).
+    let schemas = &doc["components"]["schemas"];
+    let error = &schemas["ErrorObject"];
+    assert!(error.get("allOf").is_none(), "{error}");
+    assert_eq!(error["required"], json!(["type", "message"]));
+    for field in ["field", "scope", "dimension", "retry_after_ms", "status"] {
+        assert!(error["properties"].get(field).is_some(), "{field}: {error}");
+    }
+    // A plan as answered: its spec's fields and its name, in one object.
+    let view = &schemas["PlanView"];
+    assert!(view.get("allOf").is_none(), "{view}");
+    assert!(view["properties"].get("name").is_some() && view["properties"].get("limits").is_some());
+    // Errors the shared extractors give are documented on every route.
+    let reserve = &doc["paths"]["/v1/reservations"]["post"]["responses"];
+    for status in ["400", "401", "403", "413", "415", "503"] {
+        assert!(reserve.get(status).is_some(), "{status}: {reserve}");
+    }
+    assert_eq!(
+        doc["paths"]["/v1/reservations/{id}/refund"]["post"]["requestBody"]["required"],
+        json!(false)
+    );
+
     let nf = s.get("/v1/nothing-here", None).await.expect(404);
     assert_eq!(nf.error_type(), "not_found");
+}
+
+/// A method a path does not take: 404 `not_found` (HTTP-API.md's error types
+/// have no 405), with an `Allow` that lists what that resource takes — for a
+/// scope's sub-resources too, which share one wildcard route.
+#[tokio::test]
+async fn a_method_a_path_does_not_take_answers_404_with_its_allow() {
+    let s = Server::start();
+    for (method, path, allow) in [
+        ("DELETE", "/v1/reservations", "POST"),
+        ("PUT", "/v1/scopes/tenant:acme/adjust", "POST"),
+        ("OPTIONS", "/v1/scopes/tenant:acme/adjust", "POST"),
+        ("GET", "/v1/scopes/tenant:acme/override", "DELETE"),
+        ("POST", "/v1/scopes/tenant:acme/user:bob", "GET,HEAD,PUT"),
+        ("OPTIONS", "/v1/scopes/tenant%3Aacme", "GET,HEAD,PUT"),
+    ] {
+        let r = s.send(method, path, None, None, None).await.expect(404);
+        assert_eq!(r.error_type(), "not_found", "{method} {path}");
+        assert_eq!(r.header("allow"), Some(allow), "{method} {path}");
+    }
 }
 
 /// Seed 000 over HTTP: agents 1,000 and tenant 1,500 tokens an hour.

@@ -176,6 +176,24 @@ enum ScopePath<'a> {
     Adjust(&'a str),
 }
 
+impl ScopePath<'_> {
+    /// The methods this resource takes, for `Allow`: the one axum would
+    /// send lists every method of the whole `/v1/scopes/{*rest}` route.
+    fn allow(&self) -> &'static str {
+        match self {
+            ScopePath::Scope(_) => "GET,HEAD,PUT",
+            ScopePath::Override(_) => "DELETE",
+            ScopePath::Adjust(_) => "POST",
+        }
+    }
+}
+
+/// The answer to a method a `/v1/scopes/…` path (after the prefix) does not
+/// take, with its own `Allow`.
+pub(crate) fn scope_method_not_allowed(rest: &str) -> ApiError {
+    ApiError::method_not_allowed().with_allow(split(rest).allow())
+}
+
 fn split(rest: &str) -> ScopePath<'_> {
     // A scope segment is always `kind:id`, so a last segment without a
     // colon can only be one of these suffixes.
@@ -195,7 +213,7 @@ async fn scope_get(
 ) -> Response {
     match split(&rest) {
         ScopePath::Scope(s) => crate::routes::scope_status(state, headers, s.to_string()).await,
-        _ => ApiError::method_not_allowed().into_response(),
+        _ => scope_method_not_allowed(&rest).into_response(),
     }
 }
 
@@ -210,7 +228,7 @@ async fn status_view(
 /// Move a scope to another plan (a tier change) or give it its own limits;
 /// effective for the next operation.
 #[utoipa::path(put, path = "/v1/scopes/{scope}", request_body = ScopeOverrideBody,
-    params(("scope" = String, Path, description = "Canonical scope name")),
+    params(("scope" = String, Path, description = "Canonical scope name, e.g. tenant:acme/user:bob (raw or percent-encoded)", pattern = r"^[a-z][a-z0-9_-]{0,31}:[A-Za-z0-9._~@+=-]{1,128}(/[a-z][a-z0-9_-]{0,31}:[A-Za-z0-9._~@+=-]{1,128})?$")),
     responses((status = 200, body = ScopeStatusView), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)),
     security(("bearer" = [])))]
 pub(crate) async fn scope_put(
@@ -220,7 +238,7 @@ pub(crate) async fn scope_put(
     body: Result<JsonBody<ScopeOverrideBody>, ApiError>,
 ) -> Response {
     let ScopePath::Scope(raw) = split(&rest) else {
-        return ApiError::method_not_allowed().into_response();
+        return scope_method_not_allowed(&rest).into_response();
     };
     measured("admin", async {
         let who = state.credentials().authenticate(&headers)?;
@@ -276,7 +294,7 @@ pub(crate) async fn scope_put(
 
 /// Return a scope to its kind's default plan.
 #[utoipa::path(delete, path = "/v1/scopes/{scope}/override",
-    params(("scope" = String, Path, description = "Canonical scope name")),
+    params(("scope" = String, Path, description = "Canonical scope name, e.g. tenant:acme/user:bob (raw or percent-encoded)", pattern = r"^[a-z][a-z0-9_-]{0,31}:[A-Za-z0-9._~@+=-]{1,128}(/[a-z][a-z0-9_-]{0,31}:[A-Za-z0-9._~@+=-]{1,128})?$")),
     responses((status = 200, body = ScopeStatusView), (status = 403, body = ErrorBody), (status = 404, description = "No override", body = ErrorBody)),
     security(("bearer" = [])))]
 pub(crate) async fn scope_delete(
@@ -285,7 +303,7 @@ pub(crate) async fn scope_delete(
     Path(rest): Path<String>,
 ) -> Response {
     let ScopePath::Override(raw) = split(&rest) else {
-        return ApiError::method_not_allowed().into_response();
+        return scope_method_not_allowed(&rest).into_response();
     };
     measured("admin", async {
         let who = state.credentials().authenticate(&headers)?;
@@ -309,7 +327,7 @@ pub(crate) async fn scope_delete(
 
 /// Credit (amount > 0) or debit (amount < 0) a scope's `total` limits.
 #[utoipa::path(post, path = "/v1/scopes/{scope}/adjust", request_body = AdjustBody,
-    params(("scope" = String, Path, description = "Canonical scope name")),
+    params(("scope" = String, Path, description = "Canonical scope name, e.g. tenant:acme/user:bob (raw or percent-encoded)", pattern = r"^[a-z][a-z0-9_-]{0,31}:[A-Za-z0-9._~@+=-]{1,128}(/[a-z][a-z0-9_-]{0,31}:[A-Za-z0-9._~@+=-]{1,128})?$")),
     responses((status = 200, body = ScopeStatusView), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)),
     security(("bearer" = [])))]
 pub(crate) async fn scope_post(
@@ -319,7 +337,7 @@ pub(crate) async fn scope_post(
     body: Result<JsonBody<AdjustBody>, ApiError>,
 ) -> Response {
     let ScopePath::Adjust(raw) = split(&rest) else {
-        return ApiError::method_not_allowed().into_response();
+        return scope_method_not_allowed(&rest).into_response();
     };
     measured("admin", async {
         let who = state.credentials().authenticate(&headers)?;

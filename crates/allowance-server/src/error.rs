@@ -28,8 +28,10 @@ pub struct ErrorObject {
     /// Dotted path to the offending field (`amounts.input_tokens`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
-    /// The denial's details.
+    /// The denial's details. (Documented as optional properties of this
+    /// object: the OpenAPI document's `FlattenedSchemas` adds them.)
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    #[schema(ignore)]
     pub denial: Option<DenialBody>,
     /// The reservation's status, on a `conflict` about one.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -197,6 +199,15 @@ impl ApiError {
     /// have no 405; the (method, path) route does not exist, so 404.
     pub fn method_not_allowed() -> Self {
         Self::not_found("no such route: this path does not take that method")
+    }
+
+    /// With `Allow: methods` (axum adds its route's own to an answer that
+    /// has none).
+    pub fn with_allow(mut self, methods: &'static str) -> Self {
+        self.0
+            .headers
+            .insert(axum::http::header::ALLOW, HeaderValue::from_static(methods));
+        self
     }
 
     /// A denial: 429, 402 or 422 with every header HTTP-API.md asks for.

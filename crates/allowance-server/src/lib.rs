@@ -227,7 +227,12 @@ pub fn app(state: AppState) -> Router {
         .merge(admin::router())
         .merge(openapi::router())
         .fallback(|| async { ApiError::no_route() })
-        .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
+        .method_not_allowed_fallback(|uri: axum::http::Uri| async move {
+            match uri.path().strip_prefix("/v1/scopes/") {
+                Some(rest) => admin::scope_method_not_allowed(rest),
+                None => ApiError::method_not_allowed(),
+            }
+        })
         .layer(tower::layer::layer_fn(move |inner| RequestTimeout {
             inner,
             timeout,

@@ -4,7 +4,10 @@
 use axum::Router;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use utoipa::openapi::path::Operation;
+use utoipa::openapi::schema::{Object, Schema};
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::openapi::{Content, Ref, RefOr, Required, ResponseBuilder};
 use utoipa::{Modify, OpenApi};
 
 use crate::AppState;
@@ -29,8 +32,8 @@ use crate::AppState;
         crate::admin::scope_post,
         crate::usage::usage,
     ),
-    components(schemas(allowance_config::LimitSpec)),
-    modifiers(&Bearer)
+    components(schemas(allowance_config::LimitSpec, crate::error::DenialBody)),
+    modifiers(&Bearer, &FlattenedSchemas, &OptionalBodies, &CommonErrors)
 )]
 struct Doc;
 
@@ -43,6 +46,138 @@ impl Modify for Bearer {
                 "bearer",
                 SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
             );
+        }
+    }
+}
+
+/// Rebuilds the two schemas the derive gets wrong from the derived ones (so
+/// they follow the types):
+/// - `ErrorObject` flattens an `Option<DenialBody>`, which the derive writes
+///   as `allOf: [oneOf: [DenialBody, null], …]` — a schema no error without a
+///   denial matches. The denial's fields become optional properties instead.
+/// - `PlanView` flattens `PlanSpec`, whose `additionalProperties: false` (a
+///   request's unknown field is a 400) would refuse the view's own `name`.
+struct FlattenedSchemas;
+
+impl Modify for FlattenedSchemas {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let Some(c) = openapi.components.as_mut() else {
+            return;
+        };
+        let object =
+            |schemas: &std::collections::BTreeMap<String, RefOr<Schema>>, name: &str| match schemas
+                .get(name)
+            {
+                Some(RefOr::T(Schema::Object(o))) => Some(o.clone()),
+                _ => None,
+            };
+        let error = object(&c.schemas, "ErrorObject");
+        if let (Some(mut error), Some(denial)) = (error, object(&c.schemas, "DenialBody")) {
+            for (name, schema) in denial.properties {
+                error.properties.entry(name).or_insert(schema);
+            }
+            c.schemas
+                .insert("ErrorObject".into(), RefOr::T(Schema::Object(error)));
+        }
+        if let Some(mut view) = object(&c.schemas, "PlanSpec") {
+            let name = Object::builder()
+                .schema_type(utoipa::openapi::schema::Type::String)
+                .description(Some("The plan's name."))
+                .build();
+            view.properties.insert("name".into(), name.into());
+            view.required.insert(0, "name".into());
+            view.description = Some("A plan with its name.".into());
+            c.schemas
+                .insert("PlanView".into(), RefOr::T(Schema::Object(view)));
+        }
+    }
+}
+
+/// A refund takes no body or `{}` (HTTP-API.md). The derive marks a body
+/// optional only when its type is an `Option`, which would document `null`
+/// as a body too, and the server refuses `null` (a body must be an object).
+struct OptionalBodies;
+
+impl Modify for OptionalBodies {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let refund = openapi
+            .paths
+            .paths
+            .get_mut("/v1/reservations/{id}/refund")
+            .and_then(|item| item.post.as_mut())
+            .and_then(|op| op.request_body.as_mut());
+        if let Some(RefOr::T(body)) = refund {
+            body.required = Some(Required::False);
+        }
+    }
+}
+
+/// Documents the error answers every route of a kind can give, where its
+/// own annotation does not: HTTP-API.md says which (a bad credential, a body
+/// that is not JSON or too large, a malformed path parameter, a store that
+/// does not answer), and they come from the shared extractors, not the
+/// handler.
+struct CommonErrors;
+
+impl CommonErrors {
+    fn add(op: &mut Operation, status: &str, description: &str) {
+        op.responses
+            .responses
+            .entry(status.to_string())
+            .or_insert_with(|| {
+                ResponseBuilder::new()
+                    .description(description)
+                    .content(
+                        "application/json",
+                        Content::new(Some(Ref::from_schema_name("ErrorBody"))),
+                    )
+                    .build()
+                    .into()
+            });
+    }
+}
+
+impl Modify for CommonErrors {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        for (path, item) in openapi.paths.paths.iter_mut() {
+            let api = path.starts_with("/v1/");
+            let params = path.contains('{');
+            let ops = [
+                &mut item.get,
+                &mut item.put,
+                &mut item.post,
+                &mut item.delete,
+            ];
+            for op in ops.into_iter().flatten() {
+                if op.security.is_some() {
+                    Self::add(op, "401", "No or unknown credential");
+                    Self::add(op, "403", "The credential may not do this");
+                }
+                if op.request_body.is_some() {
+                    Self::add(
+                        op,
+                        "400",
+                        "Invalid request (`field` names the offending field)",
+                    );
+                    Self::add(op, "413", "The body is over 64 KiB");
+                    Self::add(op, "415", "The body is not `application/json`");
+                }
+                if params {
+                    Self::add(
+                        op,
+                        "400",
+                        "Invalid request (`field` names the offending field)",
+                    );
+                    Self::add(
+                        op,
+                        "404",
+                        "No such reservation or scope (or another tenant's)",
+                    );
+                }
+                if api {
+                    Self::add(op, "503", "The store did not answer");
+                }
+            }
         }
     }
 }

@@ -197,7 +197,7 @@ pub fn parse_query(pairs: &[(String, String)]) -> Result<UsageQuery, ApiError> {
 /// The usage log after a cursor, as JSON lines.
 #[utoipa::path(get, path = "/v1/usage",
     params(
-        ("since" = Option<String>, Query, description = "A cursor (decimal u64): records after it. Absent: from the oldest retained record."),
+        ("since" = Option<String>, Query, description = "A cursor (decimal u64): records after it. Absent: from the oldest retained record.", pattern = r"^[0-9]{1,20}$"),
         ("limit" = Option<u32>, Query, description = "At most this many records, 1 to 10000 (default 1000).")),
     responses(
         (status = 200, description = "One JSON object per line, oldest first (empty body when none). An admin token reads every tenant, a tenant token its own.",

@@ -273,6 +273,7 @@ pub type Millis = Amount;
 #[serde(deny_unknown_fields)]
 pub struct ReserveBody {
     /// The tenant (always one of the scopes).
+    #[schema(pattern = r"^[A-Za-z0-9._~@+=-]{1,128}$")]
     pub tenant: String,
     /// Other scopes by kind: `{"user": "bob", "tool": "search"}`.
     #[serde(default)]
@@ -363,7 +364,8 @@ pub struct AdjustBody {
     /// Credit (> 0: room grows) or debit (< 0).
     #[schema(value_type = i64)]
     pub amount: SignedAmount,
-    /// Why (kept for the audit trail).
+    /// Why (kept for the audit trail): 1 to 1024 bytes, not only spaces.
+    #[schema(min_length = 1, max_length = 1024, pattern = r"\S")]
     pub reason: String,
 }
 
