@@ -141,7 +141,9 @@ impl Modify for CommonErrors {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
         for (path, item) in openapi.paths.paths.iter_mut() {
             let api = path.starts_with("/v1/");
-            let params = path.contains('{');
+            let reservation = path.contains("{id}");
+            let scope = path.contains("{scope}");
+            let plan = path.contains("{name}");
             let ops = [
                 &mut item.get,
                 &mut item.put,
@@ -162,16 +164,20 @@ impl Modify for CommonErrors {
                     Self::add(op, "413", "The body is over 64 KiB");
                     Self::add(op, "415", "The body is not `application/json`");
                 }
-                if params {
-                    Self::add(
-                        op,
-                        "400",
-                        "Invalid request (`field` names the offending field)",
-                    );
+                // A malformed reservation id is a 404 like an unknown one
+                // (SERVER-CHOICES.md); a malformed scope or plan name a 400.
+                if reservation || scope {
                     Self::add(
                         op,
                         "404",
                         "No such reservation or scope (or another tenant's)",
+                    );
+                }
+                if scope || plan {
+                    Self::add(
+                        op,
+                        "400",
+                        "Invalid request (`field` names the offending field)",
                     );
                 }
                 if api {
