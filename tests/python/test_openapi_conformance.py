@@ -1,7 +1,8 @@
 """The native API against its own OpenAPI document, driven by schemathesis.
 
 `allowance serve` runs on its default durable store (a write-ahead log in a
-temporary directory) with one admin token, and schemathesis generates
+temporary directory) with an admin token and a tenant token (tenant
+`acme`), and schemathesis, once with each, generates
 requests from `GET /openapi.json` — valid ones, and ones that break the
 schema — then checks every answer:
 
@@ -14,6 +15,8 @@ schema — then checks every answer:
   request without or with a wrong credential gets 401 (`ignored_auth`,
   `missing_required_header`), and the stateful links (reserve → settle,
   refund, extend) hold (`use_after_free`, `ensure_resource_availability`).
+  With the tenant token the admin plane answers 403 and other tenants'
+  reservations and scopes 404, each as documented.
 
 Two checks are left out, each a documented choice rather than a defect:
 `positive_data_acceptance` (a schema-valid request may still be refused:
@@ -23,7 +26,7 @@ whole number, none of which a static schema says), and `unsupported_method`
 (a method a path does not take answers 404 `not_found`, not 405: HTTP-API.md
 lists the error types and 405 is not one of them).
 
-`ALLOWANCE_SCHEMATHESIS_EXAMPLES` (default 50, about 20 s) and
+`ALLOWANCE_SCHEMATHESIS_EXAMPLES` (default 50, about 20 s a role) and
 `ALLOWANCE_SCHEMATHESIS_SEED` (default fixed, so a CI failure replays) widen
 or vary the run.
 """
@@ -50,17 +53,26 @@ EXCLUDED_CHECKS = "positive_data_acceptance,unsupported_method"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Process, str, str, Path]]:
-    """`allowance serve` on the starter configuration, durable, one admin token."""
+def server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Process, str, dict[str, str], Path]]:
+    """`allowance serve` on the starter configuration, durable, with an admin
+    and a tenant token (by role)."""
     work_dir: Path = tmp_path_factory.mktemp("openapi")
     allowance = binary("ALLOWANCE_BIN", "allowance")
     starter = subprocess.run(
         [str(allowance), "init"], check=True, capture_output=True, text=True
     ).stdout
-    token = "st-admin-" + secrets.token_hex(8)
-    sha256 = hashlib.sha256(token.encode()).hexdigest()
+    tokens = {role: f"st-{role}-{secrets.token_hex(8)}" for role in ("admin", "tenant")}
+
+    def sha256(role: str) -> str:
+        return hashlib.sha256(tokens[role].encode()).hexdigest()
+
     config = work_dir / "allowance.toml"
-    config.write_text(f'{starter}\n[[tokens]]\nsha256 = "{sha256}"\nrole = "admin"\n')
+    config.write_text(
+        f'{starter}\n[[tokens]]\nsha256 = "{sha256("admin")}"\nrole = "admin"\n'
+        f'\n[[tokens]]\nsha256 = "{sha256("tenant")}"\nrole = "tenant"\ntenant = "acme"\n'
+    )
     proc = spawn(
         "allowance-serve",
         [
@@ -76,15 +88,17 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Process, 
         work_dir,
     )
     try:
-        yield proc, proc.wait_for_address(), token, work_dir
+        yield proc, proc.wait_for_address(), tokens, work_dir
     finally:
         proc.stop()
 
 
+@pytest.mark.parametrize("role", ["admin", "tenant"])
 def test_every_answer_matches_the_openapi_document(
-    server: tuple[Process, str, str, Path],
+    server: tuple[Process, str, dict[str, str], Path], role: str
 ) -> None:
-    proc, base_url, token, work_dir = server
+    proc, base_url, tokens, work_dir = server
+    token = tokens[role]
     schemathesis = Path(sys.executable).parent / "schemathesis"
     if not schemathesis.is_file():
         raise HarnessError(f"{schemathesis} is missing: run scripts/python-env.sh")
@@ -121,7 +135,7 @@ def test_every_answer_matches_the_openapi_document(
         check=False,
     )
     report = run.stdout + run.stderr
-    assert run.returncode == 0, f"schemathesis found failures (seed {SEED}):\n{report}"
+    assert run.returncode == 0, f"schemathesis found failures ({role}, seed {SEED}):\n{report}"
     assert " passed" in report, f"schemathesis ran no test case:\n{report}"
     logs = proc.logs()
     assert "panicked" not in logs, f"the server panicked:\n{logs}"
