@@ -259,6 +259,14 @@ class Ledger:
         self.http.close()
 
 
+def spawn_server(config: Path, data_dir: str, log_dir: Path) -> Process:
+    """`allowance serve --config CONFIG` on a free loopback port; `data_dir`
+    "" keeps the ledger in memory."""
+    argv = [str(binary("ALLOWANCE_BIN", "allowance")), "serve", "--config", str(config)]
+    argv += ["--listen", "127.0.0.1:0", "--data-dir", data_dir]
+    return spawn("allowance-serve", argv, log_dir)
+
+
 @dataclass
 class Stack:
     """One stub and one gateway in front of it (one per test module)."""
@@ -331,20 +339,7 @@ def start_stack(work_dir: Path) -> Stack:
         key = "sk-gw-test-" + secrets.token_hex(8)
         config = work_dir / "gateway.toml"
         config.write_text(gateway_config(stub_url, key))
-        server = spawn(
-            "allowance-serve",
-            [
-                str(binary("ALLOWANCE_BIN", "allowance")),
-                "serve",
-                "--config",
-                str(config),
-                "--listen",
-                "127.0.0.1:0",
-                "--data-dir",
-                "",
-            ],
-            work_dir,
-        )
+        server = spawn_server(config, "", work_dir)
         processes.append(server)
         gateway_url = server.wait_for_address()
     except BaseException:

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import HarnessError, Process, binary, spawn
+from harness import HarnessError, Process, binary, spawn_server
 
 EXAMPLES = int(os.environ.get("ALLOWANCE_SCHEMATHESIS_EXAMPLES", "50"))
 SEED = os.environ.get("ALLOWANCE_SCHEMATHESIS_SEED", "20261202")
@@ -73,20 +73,7 @@ def server(
         f'{starter}\n[[tokens]]\nsha256 = "{sha256("admin")}"\nrole = "admin"\n'
         f'\n[[tokens]]\nsha256 = "{sha256("tenant")}"\nrole = "tenant"\ntenant = "acme"\n'
     )
-    proc = spawn(
-        "allowance-serve",
-        [
-            str(allowance),
-            "serve",
-            "--config",
-            str(config),
-            "--listen",
-            "127.0.0.1:0",
-            "--data-dir",
-            str(work_dir / "data"),
-        ],
-        work_dir,
-    )
+    proc = spawn_server(config, str(work_dir / "data"), work_dir)
     try:
         yield proc, proc.wait_for_address(), tokens, work_dir
     finally:
