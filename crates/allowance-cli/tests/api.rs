@@ -638,6 +638,17 @@ async fn operations_routes() {
         doc["paths"]["/v1/reservations/{id}/refund"]["post"]["requestBody"]["required"],
         json!(false)
     );
+    // Every path parameter naming a reservation or a scope has its pattern.
+    for (path, method) in [
+        ("/v1/reservations/{id}/settle", "post"),
+        ("/v1/scopes/{scope}/adjust", "post"),
+    ] {
+        let pattern = &doc["paths"][path][method]["parameters"][0]["schema"]["pattern"];
+        assert!(
+            pattern.as_str().is_some_and(|p| p.starts_with('^')),
+            "{path}: {pattern}"
+        );
+    }
 
     let nf = s.get("/v1/nothing-here", None).await.expect(404);
     assert_eq!(nf.error_type(), "not_found");

@@ -4,7 +4,7 @@
 use axum::Router;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use utoipa::openapi::path::Operation;
+use utoipa::openapi::path::{Operation, ParameterIn};
 use utoipa::openapi::schema::{Object, Schema};
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{Content, Ref, RefOr, Required, ResponseBuilder};
@@ -33,7 +33,7 @@ use crate::AppState;
         crate::usage::usage,
     ),
     components(schemas(allowance_config::LimitSpec, crate::error::DenialBody)),
-    modifiers(&Bearer, &FlattenedSchemas, &OptionalBodies, &CommonErrors)
+    modifiers(&Bearer, &FlattenedSchemas, &OptionalBodies, &PathPatterns, &CommonErrors)
 )]
 struct Doc;
 
@@ -108,6 +108,49 @@ impl Modify for OptionalBodies {
             .and_then(|op| op.request_body.as_mut());
         if let Some(RefOr::T(body)) = refund {
             body.required = Some(Required::False);
+        }
+    }
+}
+
+/// The patterns of the path parameters, by name: set here once for every
+/// operation that takes one (the derive takes a literal per handler). A
+/// scope is `kind:id` or `tenant:id/kind:id` (`ScopeKey::parse`; a pattern
+/// a little wider than the parser, so a value it refuses is refused by the
+/// server too); an id is `ReservationId`'s display form.
+const PATH_PATTERNS: [(&str, &str); 2] = [
+    ("id", r"^rsv_[0-9a-f]{32}$"),
+    (
+        "scope",
+        r"^[a-z][a-z0-9_-]{0,31}:[A-Za-z0-9._~@+=-]{1,128}(/[a-z][a-z0-9_-]{0,31}:[A-Za-z0-9._~@+=-]{1,128})?$",
+    ),
+];
+
+/// Sets [`PATH_PATTERNS`] on the path parameters they name.
+struct PathPatterns;
+
+impl Modify for PathPatterns {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        for item in openapi.paths.paths.values_mut() {
+            let ops = [
+                &mut item.get,
+                &mut item.put,
+                &mut item.post,
+                &mut item.delete,
+            ];
+            for op in ops.into_iter().flatten() {
+                for param in op.parameters.iter_mut().flatten() {
+                    let RefOr::T(param) = param else { continue };
+                    let pattern = PATH_PATTERNS
+                        .iter()
+                        .find(|(name, _)| *name == param.name)
+                        .map(|(_, pattern)| pattern.to_string());
+                    if param.parameter_in == ParameterIn::Path
+                        && let Some(RefOr::T(Schema::Object(o))) = param.schema.as_mut()
+                    {
+                        o.pattern = pattern;
+                    }
+                }
+            }
         }
     }
 }

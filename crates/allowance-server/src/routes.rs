@@ -209,7 +209,7 @@ pub(crate) fn reserve(
 
 /// A reservation, expiry observed.
 #[utoipa::path(get, path = "/v1/reservations/{id}",
-    params(("id" = String, Path, description = "rsv_ + 32 hex digits", pattern = r"^rsv_[0-9a-f]{32}$")),
+    params(("id" = String, Path, description = "rsv_ + 32 hex digits")),
     responses(
         (status = 200, body = ReservationView),
         (status = 404, body = ErrorBody),
@@ -255,7 +255,7 @@ fn usage_of(body: SettleBody, catalog: &Catalog) -> Result<Usage, ApiError> {
 
 /// Settle: record the actual and release the hold; idempotent.
 #[utoipa::path(post, path = "/v1/reservations/{id}/settle", request_body = SettleBody,
-    params(("id" = String, Path, description = "rsv_ + 32 hex digits", pattern = r"^rsv_[0-9a-f]{32}$")),
+    params(("id" = String, Path, description = "rsv_ + 32 hex digits")),
     responses(
         (status = 200, description = "Settled (a repeat answers the same)", body = ReservationView),
         (status = 400, body = ErrorBody),
@@ -287,7 +287,7 @@ pub(crate) fn settle(
 
 /// Refund: release the hold, record nothing; idempotent.
 #[utoipa::path(post, path = "/v1/reservations/{id}/refund", request_body(content = RefundBody, description = "No body, or {}"),
-    params(("id" = String, Path, description = "rsv_ + 32 hex digits", pattern = r"^rsv_[0-9a-f]{32}$")),
+    params(("id" = String, Path, description = "rsv_ + 32 hex digits")),
     responses(
         (status = 200, description = "Refunded (or expired: nothing to release)", body = ReservationView),
         (status = 404, body = ErrorBody),
@@ -317,7 +317,7 @@ pub(crate) fn refund(
 
 /// Extend: raise the hold and/or push the expiry out.
 #[utoipa::path(post, path = "/v1/reservations/{id}/extend", request_body = ExtendBody,
-    params(("id" = String, Path, description = "rsv_ + 32 hex digits", pattern = r"^rsv_[0-9a-f]{32}$")),
+    params(("id" = String, Path, description = "rsv_ + 32 hex digits")),
     responses(
         (status = 200, body = ReservationView),
         (status = 400, body = ErrorBody),
@@ -401,7 +401,7 @@ pub(crate) fn scope_for(
 
 /// A scope's limits with use, holds and room.
 #[utoipa::path(get, path = "/v1/scopes/{scope}",
-    params(("scope" = String, Path, description = "Canonical scope name, e.g. tenant:acme/user:bob (raw or percent-encoded)", pattern = r"^[a-z][a-z0-9_-]{0,31}:[A-Za-z0-9._~@+=-]{1,128}(/[a-z][a-z0-9_-]{0,31}:[A-Za-z0-9._~@+=-]{1,128})?$")),
+    params(("scope" = String, Path, description = "Canonical scope name, e.g. tenant:acme/user:bob (raw or percent-encoded)")),
     responses(
         (status = 200, body = ScopeStatusView),
         (status = 400, body = ErrorBody),
