@@ -112,6 +112,23 @@ impl Modify for OptionalBodies {
     }
 }
 
+/// Every operation of the document, with its path.
+fn operations(
+    openapi: &mut utoipa::openapi::OpenApi,
+) -> impl Iterator<Item = (&str, &mut Operation)> {
+    openapi.paths.paths.iter_mut().flat_map(|(path, item)| {
+        [
+            &mut item.get,
+            &mut item.put,
+            &mut item.post,
+            &mut item.delete,
+        ]
+        .into_iter()
+        .flatten()
+        .map(move |op| (path.as_str(), op))
+    })
+}
+
 /// The patterns of the path parameters, by name: set here once for every
 /// operation that takes one (the derive takes a literal per handler). A
 /// scope is `kind:id` or `tenant:id/kind:id` (`ScopeKey::parse`; a pattern
@@ -130,25 +147,17 @@ struct PathPatterns;
 
 impl Modify for PathPatterns {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
-        for item in openapi.paths.paths.values_mut() {
-            let ops = [
-                &mut item.get,
-                &mut item.put,
-                &mut item.post,
-                &mut item.delete,
-            ];
-            for op in ops.into_iter().flatten() {
-                for param in op.parameters.iter_mut().flatten() {
-                    let RefOr::T(param) = param else { continue };
-                    let pattern = PATH_PATTERNS
-                        .iter()
-                        .find(|(name, _)| *name == param.name)
-                        .map(|(_, pattern)| pattern.to_string());
-                    if param.parameter_in == ParameterIn::Path
-                        && let Some(RefOr::T(Schema::Object(o))) = param.schema.as_mut()
-                    {
-                        o.pattern = pattern;
-                    }
+        for (_, op) in operations(openapi) {
+            for param in op.parameters.iter_mut().flatten() {
+                let RefOr::T(param) = param else { continue };
+                let pattern = PATH_PATTERNS
+                    .iter()
+                    .find(|(name, _)| *name == param.name)
+                    .map(|(_, pattern)| pattern.to_string());
+                if param.parameter_in == ParameterIn::Path
+                    && let Some(RefOr::T(Schema::Object(o))) = param.schema.as_mut()
+                {
+                    o.pattern = pattern;
                 }
             }
         }
@@ -182,50 +191,32 @@ impl CommonErrors {
 
 impl Modify for CommonErrors {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
-        for (path, item) in openapi.paths.paths.iter_mut() {
-            let api = path.starts_with("/v1/");
-            let reservation = path.contains("{id}");
-            let scope = path.contains("{scope}");
-            let plan = path.contains("{name}");
-            let ops = [
-                &mut item.get,
-                &mut item.put,
-                &mut item.post,
-                &mut item.delete,
-            ];
-            for op in ops.into_iter().flatten() {
-                if op.security.is_some() {
-                    Self::add(op, "401", "No or unknown credential");
-                    Self::add(op, "403", "The credential may not do this");
-                }
-                if op.request_body.is_some() {
-                    Self::add(
-                        op,
-                        "400",
-                        "Invalid request (`field` names the offending field)",
-                    );
-                    Self::add(op, "413", "The body is over 64 KiB");
-                    Self::add(op, "415", "The body is not `application/json`");
-                }
-                // A malformed reservation id is a 404 like an unknown one
-                // (SERVER-CHOICES.md); a malformed scope or plan name a 400.
-                if reservation || scope {
-                    Self::add(
-                        op,
-                        "404",
-                        "No such reservation or scope (or another tenant's)",
-                    );
-                }
-                if scope || plan {
-                    Self::add(
-                        op,
-                        "400",
-                        "Invalid request (`field` names the offending field)",
-                    );
-                }
-                if api {
-                    Self::add(op, "503", "The store did not answer");
-                }
+        const INVALID: &str = "Invalid request (`field` names the offending field)";
+        for (path, op) in operations(openapi) {
+            if op.security.is_some() {
+                Self::add(op, "401", "No or unknown credential");
+                Self::add(op, "403", "The credential may not do this");
+            }
+            if op.request_body.is_some() {
+                Self::add(op, "400", INVALID);
+                Self::add(op, "413", "The body is over 64 KiB");
+                Self::add(op, "415", "The body is not `application/json`");
+            }
+            // A malformed reservation id is a 404 like an unknown one
+            // (SERVER-CHOICES.md); a malformed scope or plan name a 400.
+            let (reservation, scope) = (path.contains("{id}"), path.contains("{scope}"));
+            if reservation || scope {
+                Self::add(
+                    op,
+                    "404",
+                    "No such reservation or scope (or another tenant's)",
+                );
+            }
+            if scope || path.contains("{name}") {
+                Self::add(op, "400", INVALID);
+            }
+            if path.starts_with("/v1/") {
+                Self::add(op, "503", "The store did not answer");
             }
         }
     }
