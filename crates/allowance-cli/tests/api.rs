@@ -638,6 +638,8 @@ async fn operations_routes() {
         doc["paths"]["/v1/reservations/{id}/refund"]["post"]["requestBody"]["required"],
         json!(false)
     );
+    let tenant = &schemas["ReserveBody"]["properties"]["tenant"]["pattern"];
+    assert_eq!(tenant, &json!("^[A-Za-z0-9._~@+=-]{1,128}$"));
     // Every path parameter naming a reservation or a scope has its pattern.
     for (path, method) in [
         ("/v1/reservations/{id}/settle", "post"),

@@ -190,8 +190,18 @@ impl ScopePath<'_> {
 
 /// The answer to a method a `/v1/scopes/…` path (after the prefix) does not
 /// take, with its own `Allow`.
-pub(crate) fn scope_method_not_allowed(rest: &str) -> ApiError {
+fn scope_method_not_allowed(rest: &str) -> ApiError {
     ApiError::method_not_allowed().with_allow(split(rest).allow())
+}
+
+/// The answer to a method `path` does not take. A scope path names its own
+/// methods in `Allow` (axum would list the whole wildcard route's); any
+/// other keeps the one axum adds.
+pub(crate) fn method_not_allowed(path: &str) -> ApiError {
+    match path.strip_prefix("/v1/scopes/") {
+        Some(rest) => scope_method_not_allowed(rest),
+        None => ApiError::method_not_allowed(),
+    }
 }
 
 fn split(rest: &str) -> ScopePath<'_> {

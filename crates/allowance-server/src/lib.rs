@@ -228,10 +228,7 @@ pub fn app(state: AppState) -> Router {
         .merge(openapi::router())
         .fallback(|| async { ApiError::no_route() })
         .method_not_allowed_fallback(|uri: axum::http::Uri| async move {
-            match uri.path().strip_prefix("/v1/scopes/") {
-                Some(rest) => admin::scope_method_not_allowed(rest),
-                None => ApiError::method_not_allowed(),
-            }
+            admin::method_not_allowed(uri.path())
         })
         .layer(tower::layer::layer_fn(move |inner| RequestTimeout {
             inner,

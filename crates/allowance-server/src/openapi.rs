@@ -10,6 +10,8 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{Content, Ref, RefOr, Required, ResponseBuilder};
 use utoipa::{Modify, OpenApi};
 
+use allowance_core::{MAX_ID_LEN, MAX_KIND_LEN};
+
 use crate::AppState;
 
 #[derive(OpenApi)]
@@ -129,20 +131,34 @@ fn operations(
     })
 }
 
-/// The patterns of the path parameters, by name: set here once for every
-/// operation that takes one (the derive takes a literal per handler). A
-/// scope is `kind:id` or `tenant:id/kind:id` (`ScopeKey::parse`; a pattern
-/// a little wider than the parser, so a value it refuses is refused by the
-/// server too); an id is `ReservationId`'s display form.
-const PATH_PATTERNS: [(&str, &str); 2] = [
-    ("id", r"^rsv_[0-9a-f]{32}$"),
-    (
-        "scope",
-        r"^[a-z][a-z0-9_-]{0,31}:[A-Za-z0-9._~@+=-]{1,128}(/[a-z][a-z0-9_-]{0,31}:[A-Za-z0-9._~@+=-]{1,128})?$",
-    ),
-];
+/// A scope id's pattern (tenant names included), from the core's own
+/// limit: `[A-Za-z0-9._~@+=-]{1,MAX_ID_LEN}` (`allowance_core::valid_id`).
+fn id_pattern() -> String {
+    format!("[A-Za-z0-9._~@+=-]{{1,{MAX_ID_LEN}}}")
+}
 
-/// Sets [`PATH_PATTERNS`] on the path parameters they name.
+/// A scope name's pattern: `kind:id` or `tenant:id/kind:id`
+/// (`ScopeKey::parse`), a little wider than the parser (any kind may lead),
+/// so a value it refuses is refused by the server too.
+fn scope_pattern() -> String {
+    let kind = format!("[a-z][a-z0-9_-]{{0,{}}}", MAX_KIND_LEN - 1);
+    let part = format!("{kind}:{}", id_pattern());
+    format!("^{part}(/{part})?$")
+}
+
+/// The patterns of the path parameters, by name: set here once for every
+/// operation that takes one (the derive takes a literal per handler). An
+/// id is `ReservationId`'s display form.
+fn path_pattern(name: &str) -> Option<String> {
+    match name {
+        "id" => Some(r"^rsv_[0-9a-f]{32}$".to_string()),
+        "scope" => Some(scope_pattern()),
+        _ => None,
+    }
+}
+
+/// Sets [`path_pattern`] on the path parameters it names, and the
+/// tenant's pattern on a reserve's `tenant`.
 struct PathPatterns;
 
 impl Modify for PathPatterns {
@@ -150,16 +166,22 @@ impl Modify for PathPatterns {
         for (_, op) in operations(openapi) {
             for param in op.parameters.iter_mut().flatten() {
                 let RefOr::T(param) = param else { continue };
-                let pattern = PATH_PATTERNS
-                    .iter()
-                    .find(|(name, _)| *name == param.name)
-                    .map(|(_, pattern)| pattern.to_string());
+                let pattern = path_pattern(&param.name);
                 if param.parameter_in == ParameterIn::Path
                     && let Some(RefOr::T(Schema::Object(o))) = param.schema.as_mut()
                 {
                     o.pattern = pattern;
                 }
             }
+        }
+        let reserve = openapi
+            .components
+            .as_mut()
+            .and_then(|c| c.schemas.get_mut("ReserveBody"));
+        if let Some(RefOr::T(Schema::Object(body))) = reserve
+            && let Some(RefOr::T(Schema::Object(tenant))) = body.properties.get_mut("tenant")
+        {
+            tenant.pattern = Some(format!("^{}$", id_pattern()));
         }
     }
 }
@@ -239,4 +261,53 @@ async fn serve_doc() -> Response {
         openapi_json(),
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use allowance_core::ScopeKey;
+
+    /// The documented patterns follow the parser: every name it takes
+    /// matches, and the names it refuses for their characters or lengths
+    /// do not (the pattern is wider only in which kind may lead).
+    #[test]
+    fn scope_and_tenant_patterns_agree_with_the_parser() {
+        let scope = regex::Regex::new(&scope_pattern()).unwrap();
+        let tenant = regex::Regex::new(&format!("^{}$", id_pattern())).unwrap();
+        let long_id = "x".repeat(MAX_ID_LEN);
+        let long_kind = format!("k{}", "x".repeat(MAX_KIND_LEN - 1));
+        let taken = [
+            "tenant:acme".to_string(),
+            "tenant:acme/user:bob".to_string(),
+            "tool:search".to_string(),
+            format!("tenant:{long_id}/{long_kind}:A.b_c~d@e+f=g-h"),
+        ];
+        for name in &taken {
+            assert!(ScopeKey::parse(name).is_ok(), "{name}");
+            assert!(scope.is_match(name), "{name}");
+        }
+        let refused = [
+            "0".to_string(),
+            "tenant:".to_string(),
+            "Tenant:acme".to_string(),
+            "tenant:ac me".to_string(),
+            "tenant:acme/user:bob/agent:x".to_string(),
+            format!("tenant:{long_id}x"),
+            format!("{long_kind}x:acme"),
+        ];
+        for name in &refused {
+            assert!(ScopeKey::parse(name).is_err(), "{name}");
+            assert!(!scope.is_match(name), "{name}");
+        }
+        for b in 0u8..128 {
+            let id = char::from(b).to_string();
+            assert_eq!(
+                tenant.is_match(&id),
+                allowance_core::valid_id(&id),
+                "{id:?}"
+            );
+        }
+        assert!(tenant.is_match(&long_id) && !tenant.is_match(&format!("{long_id}x")));
+    }
 }

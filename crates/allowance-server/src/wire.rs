@@ -272,8 +272,8 @@ pub type Millis = Amount;
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReserveBody {
-    /// The tenant (always one of the scopes).
-    #[schema(pattern = r"^[A-Za-z0-9._~@+=-]{1,128}$")]
+    /// The tenant (always one of the scopes). (Its pattern in the OpenAPI
+    /// document comes from the core's limits: `openapi::PathPatterns`.)
     pub tenant: String,
     /// Other scopes by kind: `{"user": "bob", "tool": "search"}`.
     #[serde(default)]
