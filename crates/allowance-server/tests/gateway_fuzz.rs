@@ -550,73 +550,77 @@ fn fuzz(gw: &Gw) {
     });
     // proptest's runner is synchronous: each case runs on this runtime
     // from a blocking section, so the gateway's tasks keep running.
+    // The runner's error holds the failing case (large); it is only printed.
     let result = tokio::task::block_in_place(|| {
-        runner.run(&case(), |c| {
-            handle.block_on(async {
-                let (route, body) = c.request();
-                let what = format!("POST {route} {body}");
-                let (before, records_before) = picture(gw).await;
-                let forwarded_before = gw.stub.stats().total;
-                let mut req = gw
-                    .post(route)
-                    .header("content-type", "application/json")
-                    .body(body.clone())
-                    .timeout(Duration::from_secs(30));
-                if let Some(agent) = &c.agent {
-                    req = req.header("x-allowance-agent", agent.as_str());
-                }
-                let r = try_read(req)
-                    .await
-                    .map_err(|e| TestCaseError::fail(format!("{what}: no answer: {e}")))?;
-                prop_assert!(r.status < 500, "{} answered {}: {}", what, r.status, r.text);
-                if !(200..300).contains(&r.status) {
-                    check_error_shape(route, r.status, &r.text)
-                        .map_err(|e| TestCaseError::fail(format!("{what}: {e}")))?;
-                }
-                gw.wait_nothing_held().await;
-                let forwarded = gw.stub.stats().total > forwarded_before;
-                if forwarded {
-                    // The durable store's usage log shows a record a few
-                    // ms after its operation answered (its writer looks
-                    // every 5 ms): wait for this call's two.
-                    wait_usage_records(gw, records_before + 2).await;
-                }
-                let (after, records_after) = picture(gw).await;
-                if !forwarded {
-                    prop_assert!(
-                        !(200..300).contains(&r.status),
-                        "{} answered {} without calling the upstream",
-                        what,
-                        r.status
-                    );
-                    prop_assert_eq!(
-                        (before, records_before),
-                        (after, records_after),
-                        "{} was refused ({}: {}) but changed the ledger",
-                        &what,
-                        r.status,
-                        &r.text
-                    );
-                } else {
-                    // A forwarded call ends as one caller record and one
-                    // attempt record, settled or refunded. (A stream held
-                    // first on a bound would add the bound's refunds, but
-                    // that needs a body over 16 KiB, far above these.)
-                    let added = records_after - records_before;
-                    prop_assert!(
-                        added == 2,
-                        "{} ({}) left {} usage records",
-                        what,
-                        r.status,
-                        added
-                    );
-                    prop_assert_eq!(after.1, 0, "{} left tokens held on {}", &what, BOB);
-                }
-                Ok(())
-            })
-        })
+        runner
+            .run(&case(), |c| handle.block_on(one_case(gw, &c)))
+            .map_err(|e| e.to_string())
     });
     if let Err(e) = result {
         panic!("{e}");
     }
+}
+
+/// Sends one case and checks what it did.
+async fn one_case(gw: &Gw, c: &Case) -> Result<(), TestCaseError> {
+    let (route, body) = c.request();
+    let what = format!("POST {route} {body}");
+    let (before, records_before) = picture(gw).await;
+    let forwarded_before = gw.stub.stats().total;
+    let mut req = gw
+        .post(route)
+        .header("content-type", "application/json")
+        .body(body.clone())
+        .timeout(Duration::from_secs(30));
+    if let Some(agent) = &c.agent {
+        req = req.header("x-allowance-agent", agent.as_str());
+    }
+    let r = try_read(req)
+        .await
+        .map_err(|e| TestCaseError::fail(format!("{what}: no answer: {e}")))?;
+    prop_assert!(r.status < 500, "{} answered {}: {}", what, r.status, r.text);
+    if !(200..300).contains(&r.status) {
+        check_error_shape(route, r.status, &r.text)
+            .map_err(|e| TestCaseError::fail(format!("{what}: {e}")))?;
+    }
+    gw.wait_nothing_held().await;
+    let forwarded = gw.stub.stats().total > forwarded_before;
+    if forwarded {
+        // The durable store's usage log shows a record a few
+        // ms after its operation answered (its writer looks
+        // every 5 ms): wait for this call's two.
+        wait_usage_records(gw, records_before + 2).await;
+    }
+    let (after, records_after) = picture(gw).await;
+    if !forwarded {
+        prop_assert!(
+            !(200..300).contains(&r.status),
+            "{} answered {} without calling the upstream",
+            what,
+            r.status
+        );
+        prop_assert_eq!(
+            (before, records_before),
+            (after, records_after),
+            "{} was refused ({}: {}) but changed the ledger",
+            &what,
+            r.status,
+            &r.text
+        );
+    } else {
+        // A forwarded call ends as one caller record and one
+        // attempt record, settled or refunded. (A stream held
+        // first on a bound would add the bound's refunds, but
+        // that needs a body over 16 KiB, far above these.)
+        let added = records_after - records_before;
+        prop_assert!(
+            added == 2,
+            "{} ({}) left {} usage records",
+            what,
+            r.status,
+            added
+        );
+        prop_assert_eq!(after.1, 0, "{} left tokens held on {}", &what, BOB);
+    }
+    Ok(())
 }
