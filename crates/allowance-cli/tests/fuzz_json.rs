@@ -10,6 +10,7 @@ use common::*;
 use std::cell::RefCell;
 use std::fmt::Write as _;
 
+use allowance_testkit::fuzz::{self, J, Vocabulary, mutate};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use serde_json::{Value, json};
@@ -156,94 +157,21 @@ const EDGE_NUMBERS: &[&str] = &[
 /// so the fixture can always be made again whatever a write did.
 const FUZZ_SCOPES: &[&str] = &["tenant:fuzz/user:u1", "tenant:fuzz/task:t1", "tenant:fuzz"];
 
-/// A JSON value with numbers kept as raw text.
-#[derive(Debug, Clone)]
-enum J {
-    Null,
-    Bool(bool),
-    Num(String),
-    Str(String),
-    Arr(Vec<J>),
-    Obj(Vec<(String, J)>),
-}
-
-impl J {
-    fn render(&self, out: &mut String) {
-        match self {
-            J::Null => out.push_str("null"),
-            J::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
-            J::Num(n) => out.push_str(n),
-            J::Str(s) => out.push_str(&Value::String(s.clone()).to_string()),
-            J::Arr(items) => {
-                out.push('[');
-                for (i, v) in items.iter().enumerate() {
-                    if i > 0 {
-                        out.push(',');
-                    }
-                    v.render(out);
-                }
-                out.push(']');
-            }
-            J::Obj(fields) => {
-                out.push('{');
-                for (i, (k, v)) in fields.iter().enumerate() {
-                    if i > 0 {
-                        out.push(',');
-                    }
-                    let _ = write!(out, "{}:", Value::String(k.clone()));
-                    v.render(out);
-                }
-                out.push('}');
-            }
-        }
-    }
-
-    fn text(&self) -> String {
-        let mut s = String::new();
-        self.render(&mut s);
-        s
-    }
-}
-
-fn number() -> impl Strategy<Value = String> {
-    prop_oneof![
-        3 => prop::sample::select(EDGE_NUMBERS).prop_map(str::to_string),
-        3 => (0u64..5_000).prop_map(|n| n.to_string()),
-        1 => any::<u64>().prop_map(|n| n.to_string()),
-        1 => any::<i64>().prop_map(|n| n.to_string()),
-        1 => any::<f64>().prop_filter("finite", |f| f.is_finite()).prop_map(|f| format!("{f:e}")),
-    ]
-}
-
-fn string() -> impl Strategy<Value = String> {
-    prop_oneof![
-        3 => prop::sample::select(WORDS).prop_map(str::to_string),
-        1 => "[a-z0-9:/_.-]{0,12}",
-        1 => "\\PC{0,16}",
-    ]
-}
-
-fn key() -> impl Strategy<Value = String> {
-    prop_oneof![
-        4 => prop::sample::select(FIELD_NAMES).prop_map(str::to_string),
-        1 => "\\PC{0,10}",
-    ]
-}
+/// What the native API gives meaning to.
+const VOCABULARY: Vocabulary = Vocabulary {
+    words: WORDS,
+    field_names: FIELD_NAMES,
+    edge_numbers: EDGE_NUMBERS,
+    free_text: "[a-z0-9:/_.-]{0,12}",
+};
 
 /// Any JSON value, object keys mostly the API's own.
 fn value() -> impl Strategy<Value = J> {
-    let leaf = prop_oneof![
-        Just(J::Null),
-        any::<bool>().prop_map(J::Bool),
-        number().prop_map(J::Num),
-        string().prop_map(J::Str),
-    ];
-    leaf.prop_recursive(4, 48, 6, |inner| {
-        prop_oneof![
-            prop::collection::vec(inner.clone(), 0..5).prop_map(J::Arr),
-            prop::collection::vec((key(), inner), 0..6).prop_map(J::Obj),
-        ]
-    })
+    fuzz::value(&VOCABULARY)
+}
+
+fn key() -> impl Strategy<Value = String> {
+    fuzz::key(&VOCABULARY)
 }
 
 /// A request body: an arbitrary value, an object of real field names with
@@ -278,16 +206,7 @@ fn body() -> impl Strategy<Value = String> {
 
 /// Valid bodies of each endpoint, the starting points of [`near_valid`].
 fn templates() -> Vec<J> {
-    let s = |v: &str| J::Str(v.to_string());
-    let n = |v: &str| J::Num(v.to_string());
-    let o = |fields: Vec<(&str, J)>| {
-        J::Obj(
-            fields
-                .into_iter()
-                .map(|(k, v)| (k.to_string(), v))
-                .collect(),
-        )
-    };
+    let (s, n, o) = (J::string, J::number, J::object);
     vec![
         o(vec![
             ("tenant", s("fuzz")),
@@ -346,25 +265,6 @@ fn templates() -> Vec<J> {
             ("reason", s("fuzz")),
         ]),
     ]
-}
-
-/// `template` with each value, depth first, kept (22 times in 24),
-/// replaced by `choices`' random value, or dropped.
-fn mutate(template: &J, choices: &mut std::slice::Iter<'_, (u8, J)>) -> J {
-    match template {
-        J::Obj(fields) => J::Obj(
-            fields
-                .iter()
-                .filter_map(|(k, v)| match choices.next() {
-                    Some((22, random)) => Some((k.clone(), random.clone())),
-                    Some((23, _)) => None,
-                    _ => Some((k.clone(), mutate(v, choices))),
-                })
-                .collect(),
-        ),
-        J::Arr(items) => J::Arr(items.iter().map(|v| mutate(v, choices)).collect()),
-        leaf => leaf.clone(),
-    }
 }
 
 /// An endpoint's valid body with a few values replaced by random ones,

@@ -334,29 +334,9 @@ async fn durable_gw(upstream: &str) -> (Gw, allowance_wal::FaultyFs, tempfile::T
 
 /// [`durable_gw`] with a setup of the test's own.
 async fn durable_gw_with(setup: Setup) -> (Gw, allowance_wal::FaultyFs, tempfile::TempDir) {
-    use allowance_durable::{DurableOptions, DurableStore};
-    use allowance_wal::{FaultyFs, FileSystem};
-    use std::sync::Arc;
-
     let dir = tempfile::tempdir().expect("a temp dir");
-    let faulty = FaultyFs::new();
-    let fs: Arc<dyn FileSystem> = Arc::new(faulty.clone());
-    let path = dir.path().to_owned();
-    let gw = Gw::start_on(setup, |catalog| async move {
-        let (store, _) = DurableStore::open(
-            catalog,
-            DurableOptions::new(&path),
-            fs,
-            Arc::new(allowance_server::SystemClock::default()),
-            Arc::new(allowance_server::RandomIds),
-            |_| {},
-        )
-        .await
-        .expect("the store opens");
-        let store: Arc<dyn allowance_core::Store> = Arc::new(store);
-        store
-    })
-    .await;
+    let faulty = allowance_wal::FaultyFs::new();
+    let gw = Gw::start_durable(setup, std::sync::Arc::new(faulty.clone()), dir.path()).await;
     (gw, faulty, dir)
 }
 

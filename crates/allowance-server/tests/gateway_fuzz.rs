@@ -18,62 +18,12 @@
 mod common_gateway;
 use common_gateway::*;
 
-use std::fmt::Write as _;
 use std::time::Duration;
 
+use allowance_testkit::fuzz::{self, J, Vocabulary, mutate};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use serde_json::Value;
-
-/// A JSON value kept as a tree, rendered by hand: numbers stay as their
-/// text (`1e400`, `-0`, `1.0`), which a `serde_json::Value` could not hold.
-#[derive(Debug, Clone)]
-enum J {
-    Null,
-    Bool(bool),
-    Num(String),
-    Str(String),
-    Arr(Vec<J>),
-    Obj(Vec<(String, J)>),
-}
-
-impl J {
-    fn render(&self, out: &mut String) {
-        match self {
-            J::Null => out.push_str("null"),
-            J::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
-            J::Num(n) => out.push_str(n),
-            J::Str(s) => out.push_str(&Value::String(s.clone()).to_string()),
-            J::Arr(items) => {
-                out.push('[');
-                for (i, v) in items.iter().enumerate() {
-                    if i > 0 {
-                        out.push(',');
-                    }
-                    v.render(out);
-                }
-                out.push(']');
-            }
-            J::Obj(fields) => {
-                out.push('{');
-                for (i, (k, v)) in fields.iter().enumerate() {
-                    if i > 0 {
-                        out.push(',');
-                    }
-                    let _ = write!(out, "{}:", Value::String(k.clone()));
-                    v.render(out);
-                }
-                out.push('}');
-            }
-        }
-    }
-
-    fn text(&self) -> String {
-        let mut s = String::new();
-        self.render(&mut s);
-        s
-    }
-}
 
 /// Numbers at the edges of what the request fields take.
 const EDGE_NUMBERS: &[&str] = &[
@@ -159,62 +109,32 @@ const FIELD_NAMES: &[&str] = &[
     "user",
 ];
 
-fn number() -> impl Strategy<Value = String> {
-    prop_oneof![
-        3 => prop::sample::select(EDGE_NUMBERS).prop_map(str::to_string),
-        3 => (0u64..5_000).prop_map(|n| n.to_string()),
-        1 => any::<u64>().prop_map(|n| n.to_string()),
-        1 => any::<i64>().prop_map(|n| n.to_string()),
-        1 => any::<f64>().prop_filter("finite", |f| f.is_finite()).prop_map(|f| format!("{f:e}")),
-    ]
-}
+/// What the four request shapes give meaning to.
+const VOCABULARY: Vocabulary = Vocabulary {
+    words: WORDS,
+    field_names: FIELD_NAMES,
+    edge_numbers: EDGE_NUMBERS,
+    free_text: "[a-z0-9 _.-]{0,40}",
+};
 
-fn string() -> impl Strategy<Value = String> {
-    prop_oneof![
-        4 => prop::sample::select(WORDS).prop_map(str::to_string),
-        1 => "[a-z0-9 _.-]{0,40}",
-        1 => "\\PC{0,24}",
-    ]
+fn value() -> impl Strategy<Value = J> {
+    fuzz::value(&VOCABULARY)
 }
 
 fn key() -> impl Strategy<Value = String> {
-    prop_oneof![
-        4 => prop::sample::select(FIELD_NAMES).prop_map(str::to_string),
-        1 => "\\PC{0,10}",
-    ]
-}
-
-/// Any JSON value, object keys mostly the request shapes' own.
-fn value() -> impl Strategy<Value = J> {
-    let leaf = prop_oneof![
-        Just(J::Null),
-        any::<bool>().prop_map(J::Bool),
-        number().prop_map(J::Num),
-        string().prop_map(J::Str),
-    ];
-    leaf.prop_recursive(4, 48, 6, |inner| {
-        prop_oneof![
-            prop::collection::vec(inner.clone(), 0..5).prop_map(J::Arr),
-            prop::collection::vec((key(), inner), 0..6).prop_map(J::Obj),
-        ]
-    })
+    fuzz::key(&VOCABULARY)
 }
 
 fn s(v: &str) -> J {
-    J::Str(v.to_string())
+    J::string(v)
 }
 
 fn n(v: &str) -> J {
-    J::Num(v.to_string())
+    J::number(v)
 }
 
 fn o(fields: Vec<(&str, J)>) -> J {
-    J::Obj(
-        fields
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v))
-            .collect(),
-    )
+    J::object(fields)
 }
 
 /// The routes, each with valid bodies to mutate (small outputs, so a
@@ -342,25 +262,6 @@ fn templates() -> Vec<(&'static str, Vec<J>)> {
             ],
         ),
     ]
-}
-
-/// `template` with each value, depth first, kept (22 times in 24),
-/// replaced by `choices`' random value, or dropped.
-fn mutate(template: &J, choices: &mut std::slice::Iter<'_, (u8, J)>) -> J {
-    match template {
-        J::Obj(fields) => J::Obj(
-            fields
-                .iter()
-                .filter_map(|(k, v)| match choices.next() {
-                    Some((22, random)) => Some((k.clone(), random.clone())),
-                    Some((23, _)) => None,
-                    _ => Some((k.clone(), mutate(v, choices))),
-                })
-                .collect(),
-        ),
-        J::Arr(items) => J::Arr(items.iter().map(|v| mutate(v, choices)).collect()),
-        leaf => leaf.clone(),
-    }
 }
 
 /// How a case's body is made.
@@ -505,39 +406,21 @@ async fn wait_usage_records(gw: &Gw, n: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn arbitrary_bodies_never_break_the_gateway_or_the_ledger() {
-    fuzz(&Gw::start(setup("fuzz-mem")).await);
+    run_cases(&Gw::start(setup("fuzz-mem")).await);
 }
 
 /// The same on the durable store (write-ahead log on real files): its
 /// reserves and settles answer through the log's group commit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn arbitrary_bodies_never_break_the_durable_gateway_or_its_ledger() {
-    use allowance_durable::{DurableOptions, DurableStore};
-    use allowance_wal::RealFs;
-    use std::sync::Arc;
-
     let dir = tempfile::tempdir().expect("a temp dir");
-    let path = dir.path().to_owned();
-    let gw = Gw::start_on(setup("fuzz-durable"), |catalog| async move {
-        let (store, _) = DurableStore::open(
-            catalog,
-            DurableOptions::new(&path),
-            Arc::new(RealFs),
-            Arc::new(allowance_server::SystemClock::default()),
-            Arc::new(allowance_server::RandomIds),
-            |_| {},
-        )
-        .await
-        .expect("the store opens");
-        let store: Arc<dyn allowance_core::Store> = Arc::new(store);
-        store
-    })
-    .await;
-    fuzz(&gw);
+    let fs = std::sync::Arc::new(allowance_wal::RealFs);
+    let gw = Gw::start_durable(setup("fuzz-durable"), fs, dir.path()).await;
+    run_cases(&gw);
 }
 
 /// Runs the cases against `gw` (`ALLOWANCE_PROPTEST_CASES`, default 64).
-fn fuzz(gw: &Gw) {
+fn run_cases(gw: &Gw) {
     let cases: u32 = std::env::var("ALLOWANCE_PROPTEST_CASES")
         .ok()
         .and_then(|v| v.parse().ok())

@@ -1,4 +1,5 @@
-//! Real, throwaway `redis-server` processes for tests.
+//! Real, throwaway `redis-server` processes for tests (and, in [`fuzz`],
+//! random JSON for the APIs' property tests).
 //!
 //! Other crates' tests use this as a dev-dependency to run against a real
 //! Redis without touching any server that is already running on the machine
@@ -26,6 +27,8 @@
 //! let server = RedisServer::start();
 //! assert_eq!(server.command(&["PING"]).unwrap(), "PONG");
 //! ```
+
+pub mod fuzz;
 
 use std::fs::{self, OpenOptions};
 use std::io::{self, BufRead, BufReader, Write};

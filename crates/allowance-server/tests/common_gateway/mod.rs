@@ -312,6 +312,31 @@ impl Gw {
         .await
     }
 
+    /// [`Gw::start`] on the durable store in `data_dir`, its files through
+    /// `fs` (the real file system, or one that fails on demand).
+    pub async fn start_durable(
+        setup: Setup,
+        fs: Arc<dyn allowance_wal::FileSystem>,
+        data_dir: &std::path::Path,
+    ) -> Gw {
+        let path = data_dir.to_owned();
+        Gw::start_on(setup, |catalog| async move {
+            let (store, _) = allowance_durable::DurableStore::open(
+                catalog,
+                allowance_durable::DurableOptions::new(&path),
+                fs,
+                Arc::new(SystemClock::default()),
+                Arc::new(RandomIds),
+                |_| {},
+            )
+            .await
+            .expect("the store opens");
+            let store: Arc<dyn allowance_core::Store> = Arc::new(store);
+            store
+        })
+        .await
+    }
+
     /// [`Gw::start`] on the store `make_store` builds from the catalog.
     pub async fn start_on<F, Fut>(setup: Setup, make_store: F) -> Gw
     where
