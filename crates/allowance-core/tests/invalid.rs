@@ -1033,3 +1033,27 @@ fn settings_refuse_inconsistent_bounds() {
     };
     assert_eq!(Catalog::new(equal).unwrap().settings().max_ttl_ms, 1_000);
 }
+
+/// The shared ledger routes a reservation by its id's tenant tag, so an id
+/// minted for another tenant is refused, naming `id`, before anything is
+/// held.
+#[test]
+fn a_shared_ledger_refuses_an_id_minted_for_another_tenant() {
+    let ledger = SharedLedger::new(catalog(), 16);
+    let now = Timestamp::from_millis(1_000);
+    let scopes = ledger.catalog().scope_set("t", &[("agent", "a")]).unwrap();
+    let req = ReserveRequest::new(scopes.clone(), Amounts::new().with(Dimension::TOKENS, 10));
+    let other = (0..)
+        .map(|k| format!("u{k}"))
+        .find(|u| ReservationId::tenant_tag(u) != ReservationId::tenant_tag("t"))
+        .expect("a tenant with another tag");
+    let foreign = ReservationId::mint(7 << 8, &other);
+    let got = ledger.reserve(now, foreign, &req);
+    assert_eq!(field_of("a foreign id", got), "id");
+    let tenant = ledger.status(now, &scopes.as_slice()[0]);
+    assert_eq!(tenant.held_reservations, 0, "nothing held: {tenant:?}");
+    // The same request with an id of its own tenant is granted.
+    ledger
+        .reserve(now, ReservationId::mint(7 << 8, "t"), &req)
+        .expect("granted");
+}
