@@ -259,6 +259,11 @@ class Ledger:
         self.http.close()
 
 
+def token_sha256(token: str) -> str:
+    """The hex SHA-256 a configuration names a token or gateway key by."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
 def spawn_server(config: Path, data_dir: str, log_dir: Path) -> Process:
     """`allowance serve --config CONFIG` on a free loopback port; `data_dir`
     "" keeps the ledger in memory."""
@@ -286,7 +291,7 @@ class Stack:
 
 def gateway_config(stub_url: str, key: str) -> str:
     """The server's TOML: the stub as the only upstream (every model), one key."""
-    key_sha256 = hashlib.sha256(key.encode()).hexdigest()
+    key_sha256 = token_sha256(key)
     models = "\n".join(
         f'[models."{name}"]\n'
         f'input_per_million = "{inp / 1_000_000:.6f}"\n'

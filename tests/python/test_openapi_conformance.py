@@ -33,7 +33,6 @@ or vary the run.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import secrets
 import subprocess
@@ -43,7 +42,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import HarnessError, Process, binary, spawn_server
+from harness import HarnessError, Process, binary, spawn_server, token_sha256
 
 EXAMPLES = int(os.environ.get("ALLOWANCE_SCHEMATHESIS_EXAMPLES", "50"))
 SEED = os.environ.get("ALLOWANCE_SCHEMATHESIS_SEED", "20261202")
@@ -64,14 +63,11 @@ def server(
         [str(allowance), "init"], check=True, capture_output=True, text=True
     ).stdout
     tokens = {role: f"st-{role}-{secrets.token_hex(8)}" for role in ("admin", "tenant")}
-
-    def sha256(role: str) -> str:
-        return hashlib.sha256(tokens[role].encode()).hexdigest()
-
+    admin, tenant = token_sha256(tokens["admin"]), token_sha256(tokens["tenant"])
     config = work_dir / "allowance.toml"
     config.write_text(
-        f'{starter}\n[[tokens]]\nsha256 = "{sha256("admin")}"\nrole = "admin"\n'
-        f'\n[[tokens]]\nsha256 = "{sha256("tenant")}"\nrole = "tenant"\ntenant = "acme"\n'
+        f'{starter}\n[[tokens]]\nsha256 = "{admin}"\nrole = "admin"\n'
+        f'\n[[tokens]]\nsha256 = "{tenant}"\nrole = "tenant"\ntenant = "acme"\n'
     )
     proc = spawn_server(config, str(work_dir / "data"), work_dir)
     try:

@@ -640,6 +640,13 @@ async fn operations_routes() {
     );
     let tenant = &schemas["ReserveBody"]["properties"]["tenant"]["pattern"];
     assert_eq!(tenant, &json!("^[A-Za-z0-9._~@+=-]{1,128}$"));
+    let reason = &schemas["AdjustBody"]["properties"]["reason"];
+    assert_eq!(
+        (&reason["minLength"], &reason["maxLength"]),
+        (&json!(1), &json!(1024)),
+        "{reason}"
+    );
+    assert_eq!(reserve["413"]["description"], "The body is over 64 KiB");
     // Every path parameter naming a reservation or a scope has its pattern.
     for (path, method) in [
         ("/v1/reservations/{id}/settle", "post"),

@@ -157,22 +157,24 @@ async fn load(base: String, round: u64, stop: Arc<AtomicBool>) -> Vec<Call> {
     all
 }
 
-async fn get(server: &Server, path: &str) -> Value {
-    let r = server
-        .client
-        .get(server.url(path))
-        .timeout(Duration::from_secs(20))
-        .send()
+/// A scope's status (it must answer 200).
+async fn scope(server: &Server, scope: &str) -> Value {
+    server
+        .get(&format!("/v1/scopes/{scope}"), None)
         .await
-        .unwrap_or_else(|e| panic!("GET {path}: {e}"));
-    assert_eq!(r.status(), 200, "GET {path}");
-    r.json().await.expect("JSON")
+        .expect(200)
+        .json
 }
 
 /// `used` tokens on `scope`.
-async fn used(server: &Server, scope: &str) -> u64 {
-    let s = get(server, &format!("/v1/scopes/{scope}")).await;
-    s["limits"][0]["used"].as_u64().unwrap_or(0)
+async fn used(server: &Server, name: &str) -> u64 {
+    let s = scope(server, name).await;
+    let limits = s["limits"].as_array().expect("limits");
+    limits
+        .iter()
+        .find(|l| l["dimension"] == "tokens")
+        .and_then(|l| l["used"].as_u64())
+        .unwrap_or_else(|| panic!("no tokens limit on {name}: {s}"))
 }
 
 /// Waits until the tenant holds nothing (the killed process's calls
@@ -180,7 +182,7 @@ async fn used(server: &Server, scope: &str) -> u64 {
 async fn wait_nothing_held(server: &Server) {
     let started = Instant::now();
     loop {
-        let s = get(server, "/v1/scopes/tenant:acme").await;
+        let s = scope(server, "tenant:acme").await;
         if s["held_reservations"].as_u64() == Some(0) {
             return;
         }
@@ -197,43 +199,18 @@ async fn wait_nothing_held(server: &Server) {
 async fn endings(server: &Server) -> (HashMap<String, Vec<String>>, u64) {
     let mut by_id: HashMap<String, Vec<String>> = HashMap::new();
     let mut charged = 0;
-    let mut since: Option<String> = None;
-    loop {
-        let path = match &since {
-            Some(c) => format!("/v1/usage?limit=1000&since={c}"),
-            None => "/v1/usage?limit=1000".to_string(),
-        };
-        let r = server
-            .client
-            .get(server.url(&path))
-            .send()
-            .await
-            .expect("usage log");
-        let next = r
-            .headers()
-            .get("x-next-cursor")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string);
-        let text = r.text().await.expect("a body");
-        let mut n = 0;
-        for line in text.lines().filter(|l| !l.trim().is_empty()) {
-            let v: Value = serde_json::from_str(line).expect("a JSON line");
-            if v["tenant"] == "acme" {
-                charged += v["charged"]["tokens"].as_u64().unwrap_or(0);
-            }
-            if let Some(id) = v["reservation"].as_str() {
-                by_id
-                    .entry(id.to_string())
-                    .or_default()
-                    .push(v["kind"].as_str().unwrap_or("").to_string());
-            }
-            n += 1;
+    for v in server.usage_records(None).await {
+        if v["tenant"] == "acme" {
+            charged += v["charged"]["tokens"].as_u64().unwrap_or(0);
         }
-        if n == 0 || next.is_none() || next == since {
-            return (by_id, charged);
+        if let Some(id) = v["reservation"].as_str() {
+            by_id
+                .entry(id.to_string())
+                .or_default()
+                .push(v["kind"].as_str().unwrap_or("").to_string());
         }
-        since = next;
     }
+    (by_id, charged)
 }
 
 fn start(config: &Path, data: &Path) -> Server {

@@ -17,7 +17,7 @@ use crate::AppState;
 use crate::error::{ApiError, ErrorBody, IntoApiError};
 use crate::extract::JsonBody;
 use crate::routes::{measured, scope_for};
-use crate::wire::{AdjustBody, ScopeOverrideBody, ScopeStatusView};
+use crate::wire::{AdjustBody, MAX_REASON_BYTES, ScopeOverrideBody, ScopeStatusView};
 
 pub(crate) fn router() -> Router<AppState> {
     Router::new()
@@ -353,10 +353,10 @@ pub(crate) async fn scope_post(
         let who = state.credentials().authenticate(&headers)?;
         who.require_admin()?;
         let JsonBody(body) = body?;
-        if body.reason.trim().is_empty() || body.reason.len() > 1024 {
+        if body.reason.trim().is_empty() || body.reason.len() > MAX_REASON_BYTES {
             return Err(ApiError::invalid(
                 Some("reason".into()),
-                "say why, in 1 to 1024 bytes",
+                format!("say why, in 1 to {MAX_REASON_BYTES} bytes"),
             ));
         }
         let catalog = state.catalog().await?;

@@ -13,6 +13,8 @@ use utoipa::{Modify, OpenApi};
 use allowance_core::{MAX_ID_LEN, MAX_KIND_LEN};
 
 use crate::AppState;
+use crate::extract::MAX_BODY_BYTES;
+use crate::wire::MAX_REASON_BYTES;
 
 #[derive(OpenApi)]
 #[openapi(
@@ -35,7 +37,7 @@ use crate::AppState;
         crate::usage::usage,
     ),
     components(schemas(allowance_config::LimitSpec, crate::error::DenialBody)),
-    modifiers(&Bearer, &FlattenedSchemas, &OptionalBodies, &PathPatterns, &CommonErrors)
+    modifiers(&Bearer, &FlattenedSchemas, &OptionalBodies, &PatternsAndBounds, &CommonErrors)
 )]
 struct Doc;
 
@@ -157,11 +159,12 @@ fn path_pattern(name: &str) -> Option<String> {
     }
 }
 
-/// Sets [`path_pattern`] on the path parameters it names, and the
-/// tenant's pattern on a reserve's `tenant`.
-struct PathPatterns;
+/// Sets [`path_pattern`] on the path parameters it names, the tenant's
+/// pattern on a reserve's `tenant`, and an adjustment `reason`'s longest
+/// length: each from the code's own limit (the derive takes literals).
+struct PatternsAndBounds;
 
-impl Modify for PathPatterns {
+impl Modify for PatternsAndBounds {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
         for (_, op) in operations(openapi) {
             for param in op.parameters.iter_mut().flatten() {
@@ -174,15 +177,30 @@ impl Modify for PathPatterns {
                 }
             }
         }
-        let reserve = openapi
-            .components
-            .as_mut()
-            .and_then(|c| c.schemas.get_mut("ReserveBody"));
-        if let Some(RefOr::T(Schema::Object(body))) = reserve
-            && let Some(RefOr::T(Schema::Object(tenant))) = body.properties.get_mut("tenant")
-        {
+        if let Some(tenant) = property(openapi, "ReserveBody", "tenant") {
             tenant.pattern = Some(format!("^{}$", id_pattern()));
         }
+        if let Some(reason) = property(openapi, "AdjustBody", "reason") {
+            // maxLength counts characters: at most the byte limit, so the
+            // document is never narrower than the server.
+            reason.max_length = Some(MAX_REASON_BYTES);
+        }
+    }
+}
+
+/// A property of a component schema, as an object schema.
+fn property<'a>(
+    openapi: &'a mut utoipa::openapi::OpenApi,
+    schema: &str,
+    name: &str,
+) -> Option<&'a mut Object> {
+    let body = openapi.components.as_mut()?.schemas.get_mut(schema)?;
+    let RefOr::T(Schema::Object(body)) = body else {
+        return None;
+    };
+    match body.properties.get_mut(name)? {
+        RefOr::T(Schema::Object(o)) => Some(o),
+        _ => None,
     }
 }
 
@@ -221,7 +239,8 @@ impl Modify for CommonErrors {
             }
             if op.request_body.is_some() {
                 Self::add(op, "400", INVALID);
-                Self::add(op, "413", "The body is over 64 KiB");
+                let too_large = format!("The body is over {} KiB", MAX_BODY_BYTES / 1024);
+                Self::add(op, "413", &too_large);
                 Self::add(op, "415", "The body is not `application/json`");
             }
             // A malformed reservation id is a 404 like an unknown one

@@ -273,7 +273,7 @@ pub type Millis = Amount;
 #[serde(deny_unknown_fields)]
 pub struct ReserveBody {
     /// The tenant (always one of the scopes). (Its pattern in the OpenAPI
-    /// document comes from the core's limits: `openapi::PathPatterns`.)
+    /// document comes from the core's limits: `openapi::PatternsAndBounds`.)
     pub tenant: String,
     /// Other scopes by kind: `{"user": "bob", "tool": "search"}`.
     #[serde(default)]
@@ -355,6 +355,9 @@ pub struct ExtendBody {
     pub ttl_ms: Option<Millis>,
 }
 
+/// The longest adjustment `reason`, in bytes.
+pub const MAX_REASON_BYTES: usize = 1024;
+
 /// `POST /v1/scopes/{scope}/adjust`.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -364,8 +367,10 @@ pub struct AdjustBody {
     /// Credit (> 0: room grows) or debit (< 0).
     #[schema(value_type = i64)]
     pub amount: SignedAmount,
-    /// Why (kept for the audit trail): 1 to 1024 bytes, not only spaces.
-    #[schema(min_length = 1, max_length = 1024, pattern = r"\S")]
+    /// Why (kept for the audit trail): 1 to [`MAX_REASON_BYTES`] bytes, not
+    /// only spaces. (Its `maxLength` in the OpenAPI document is set from the
+    /// constant: `openapi::PatternsAndBounds`.)
+    #[schema(min_length = 1, pattern = r"\S")]
     pub reason: String,
 }
 

@@ -286,6 +286,44 @@ impl Server {
     }
 }
 
+impl Server {
+    /// The whole usage log (`GET /v1/usage`, page after page by
+    /// `X-Next-Cursor`), oldest first.
+    pub async fn usage_records(&self, token: Option<&str>) -> Vec<Value> {
+        let mut records = Vec::new();
+        let mut since: Option<String> = None;
+        loop {
+            let query = since
+                .as_ref()
+                .map_or(String::new(), |c| format!("&since={c}"));
+            let mut req = self
+                .client
+                .get(self.url(&format!("/v1/usage?limit=1000{query}")));
+            if let Some(t) = token {
+                req = req.bearer_auth(t);
+            }
+            let resp = req.send().await.expect("usage log");
+            assert_eq!(resp.status(), 200, "GET /v1/usage");
+            let next = resp
+                .headers()
+                .get("x-next-cursor")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string);
+            let text = resp.text().await.expect("a body");
+            let before = records.len();
+            records.extend(
+                text.lines()
+                    .filter(|l| !l.trim().is_empty())
+                    .map(|l| serde_json::from_str::<Value>(l).expect("a JSON line")),
+            );
+            if records.len() == before || next.is_none() || next == since {
+                return records;
+            }
+            since = next;
+        }
+    }
+}
+
 /// A config file in a temp dir, for the commands that take a path.
 pub fn config_file(toml: &str) -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().expect("temp dir");
