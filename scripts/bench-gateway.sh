@@ -24,6 +24,8 @@
 #   PERF=1 LITELLM=0 scripts/bench-gateway.sh      # also profile the in-memory gateway (perf)
 #   BIN=/path/to/allowance scripts/bench-gateway.sh # measure another build (no cargo build)
 #   REFERENCE_MIXED=1 scripts/bench-gateway.sh     # LiteLLM interleaved call by call with the rest
+#   FSYNC_MODES=never,batch scripts/bench-gateway.sh # also durable gateways with these [store] fsync
+#                                                    # policies (targets durable-never, durable-batch)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,6 +41,7 @@ KEY=sk-allowance-bench-key
 VENV=target/bench-venv
 BUILD=${BUILD:-1}
 REFERENCE_MIXED=${REFERENCE_MIXED:-0}
+FSYNC_MODES=${FSYNC_MODES:-}
 
 # BIN (the gateway and the bench client) and STUB may name other builds,
 # e.g. a copy kept to compare against; then nothing is built.
@@ -147,6 +150,23 @@ echo "gateway, durable store in $out/data: $durable_url" >&2
 
 targets=(--target "memory=$memory_url" --target "durable=$durable_url")
 watched=(stub:$stub memory:$memory durable:$durable)
+
+# The same durable gateway under other fsync policies: what the sync costs
+# against the hand-off to the log's writer.
+for mode in ${FSYNC_MODES//,/ }; do
+  case "$mode" in
+    never|batch) ;;
+    *) echo "FSYNC_MODES: '$mode' is not a policy to compare (never, batch)" >&2; exit 2 ;;
+  esac
+  { cat "$out/gw.toml"; printf '\n[store]\nfsync = "%s"\n' "$mode"; } >"$out/gw-$mode.toml"
+  $BIN serve --config "$out/gw-$mode.toml" --data-dir "$out/data-$mode" --listen 127.0.0.1:0 2>"$out/durable-$mode.log" &
+  pid=$!
+  pids+=("$pid")
+  url=$(wait_listening "$out/durable-$mode.log" "$pid" "the durable gateway (fsync $mode)")
+  echo "gateway, durable store, fsync $mode: $url" >&2
+  targets+=(--target "durable-$mode=$url")
+  watched+=("durable-$mode:$pid")
+done
 litellm_note="LiteLLM: not measured (LITELLM=0)"
 if [ "$LITELLM" = 1 ]; then
   litellm_note=""
