@@ -4,7 +4,7 @@
 use allowance_core::{Dimension, ReservationId, Status, UsageKind, UsageRecord};
 
 use crate::Harness;
-use crate::catalogs::{DEFAULT_TTL_MS, START_MS};
+use crate::catalogs::{DAY_MS, DEFAULT_TTL_MS, START_MS};
 use crate::support::{key, tokens, usage};
 
 /// Every record after `since`, a page of `limit` at a time, checking the
@@ -50,6 +50,47 @@ fn summary(records: &[UsageRecord]) -> Vec<(UsageKind, Option<ReservationId>)> {
         .iter()
         .map(|r| (r.event.kind, r.event.reservation.as_ref().map(|res| res.id)))
         .collect()
+}
+
+/// An expiry is reported even when nothing wrote on its tenant for longer
+/// than ended reservations are remembered (a day in this catalog), so the
+/// observation that expires a hold also forgets it: a store down over a
+/// weekend, or a tenant idle without a sweeper. Once for a hold a read saw
+/// expire before the silence, once for a hold nothing saw.
+pub(crate) async fn expiry_reported_after_a_long_silence(h: Harness) {
+    let seen = h.hold("acme", &[], tokens(300)).await;
+    let unseen = h.hold("acme", &[("user", "bob")], tokens(200)).await;
+    h.set_ms(DEFAULT_TTL_MS);
+    let read = h.store.get(seen).await.expect("get").expect("remembered");
+    assert_eq!(read.status, Status::Expired, "a read observes the expiry");
+    h.set_ms(DEFAULT_TTL_MS + 3 * DAY_MS);
+    // The next write on the tenant, then a sweep: every store has reported
+    // what expired by now.
+    let next = h.hold("acme", &[], tokens(100)).await;
+    h.store.expire_due().await.expect("expire_due");
+
+    let all = all_after(&h, None, 1000, None).await;
+    let mut ended = summary(&all);
+    ended.sort_by_key(|(_, id)| id.map(|id| id.to_string()));
+    let mut want = vec![
+        (UsageKind::Expired, Some(seen)),
+        (UsageKind::Expired, Some(unseen)),
+    ];
+    want.sort_by_key(|(_, id)| id.map(|id| id.to_string()));
+    assert_eq!(ended, want, "both expiries, once each, nothing else");
+    for r in &all {
+        let res = r.event.reservation.as_ref().expect("a reservation");
+        assert_eq!(
+            (res.status, res.charged.clone(), res.late),
+            (Status::Expired, None, false)
+        );
+        assert_eq!(r.event.at, res.expires_at);
+        assert_eq!(res.expires_at.as_millis(), START_MS + DEFAULT_TTL_MS);
+    }
+    assert_eq!(
+        h.store.get(next).await.expect("get").map(|r| r.status),
+        Some(Status::Held)
+    );
 }
 
 /// Settles, refunds, expiries (also a late settle after one) and

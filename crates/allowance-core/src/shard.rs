@@ -587,10 +587,14 @@ pub(crate) struct ShardState {
     /// one turns it on).
     pub(crate) report_expiries: bool,
     /// Home reservations that expired since the last journaled operation
-    /// on this shard collected them: the usage log's `expired` records.
-    /// Reads expire holds too, but only a journaled operation reports
-    /// them, so the log and a replay of it agree on where each appears.
-    pub(crate) expired_outbox: Vec<ReservationId>,
+    /// on this shard collected them, each as it was when it expired: the
+    /// usage log's `expired` records. Reads expire holds too, but only a
+    /// journaled operation reports them, so the log and a replay of it
+    /// agree on where each appears. Kept whole, not by id: the same
+    /// observation may also forget the record (a shard untouched for
+    /// longer than the ended retention), and its expiry must still be
+    /// reported.
+    pub(crate) expired_outbox: Vec<Reservation>,
 }
 
 /// A shard: its configuration and its state.
@@ -1008,12 +1012,12 @@ impl ShardState {
             } else if let Some(rec) = self.records.get_mut(owner) {
                 // Counted in the home shard only: one per reservation.
                 self.expired_count += 1;
-                if self.report_expiries {
-                    self.expired_outbox.push(owner);
-                }
                 rec.res.status = Status::Expired;
                 rec.res.ended_at = Some(crate::Timestamp::from_millis(expires_ms));
                 rec.hold_slot = NO_SLOT;
+                if self.report_expiries {
+                    self.expired_outbox.push(rec.res.clone());
+                }
                 // Retention counts from the expiry itself, not from when it
                 // was observed: what is remembered is then a function of
                 // time alone, the same in a ledger rebuilt from its log.

@@ -184,15 +184,7 @@ fn drained<J: Journal>(l: &mut Locked<'_>) -> Vec<UsageEvent> {
 /// Moves a shard's reported expiries into `out`, each as the reservation
 /// was when it expired (a late settle in the same operation comes after).
 fn drain_shard(st: &mut ShardState, out: &mut Vec<UsageEvent>) {
-    for id in std::mem::take(&mut st.expired_outbox) {
-        let Some(rec) = st.records.get(id) else {
-            continue;
-        };
-        let mut res = rec.res.clone();
-        res.status = Status::Expired;
-        res.charged = None;
-        res.late = false;
-        res.ended_at = Some(res.expires_at);
+    for res in std::mem::take(&mut st.expired_outbox) {
         out.push(UsageEvent::ended(UsageKind::Expired, res.expires_at, res));
     }
 }
