@@ -27,6 +27,11 @@ use crate::units::{Amounts, Dimension, MAX_AMOUNT, Timestamp};
 /// Most charges in one settle.
 pub const MAX_CHARGES: usize = 64;
 
+/// The scopes a check moved to a new plan, by their position in the
+/// request, each with its state from before (empty unless the catalog
+/// changed since the scopes were last written: no allocation then).
+type Moved = Vec<(usize, Box<ScopeState>)>;
+
 /// Which shard owns what. A single-shard ledger routes everything to 0.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Router {
@@ -429,7 +434,9 @@ impl<'a> Locked<'a> {
     /// Checks `requested` against every scope; the binding denial if any.
     /// `slots` receives each scope's slot in the shard that owns it (a
     /// reservation has at most [`MAX_SCOPES_LIMIT`] scopes: checked at
-    /// reserve against `max_scopes`, which is bounded by it).
+    /// reserve against `max_scopes`, which is bounded by it). `moved`
+    /// receives the state, from before, of each scope the check moved to a
+    /// new plan: a check that grants nothing hands it to [`Locked::unsync`].
     fn check(
         &mut self,
         scopes: &ScopeSet,
@@ -437,13 +444,18 @@ impl<'a> Locked<'a> {
         requested: &impl Fn(Dimension) -> u64,
         only_positive: bool,
         slots: &mut [u32; MAX_SCOPES_LIMIT],
+        moved: &mut Moved,
     ) -> Option<Box<Denial>> {
         let catalog = self.catalog;
         let mut best: Option<Candidate> = None;
         for ((i, key), out) in scopes.as_slice().iter().enumerate().zip(slots.iter_mut()) {
             let part = self.scope_part(key);
-            let (slot, fits) = part.scope_check(catalog, key, now, requested, only_positive);
+            let (slot, fits, before) =
+                part.scope_check(catalog, key, now, requested, only_positive);
             *out = slot;
+            if let Some(before) = before {
+                moved.push((i, before));
+            }
             if !fits {
                 check_scope(
                     part.scope_at(slot),
@@ -461,6 +473,16 @@ impl<'a> Locked<'a> {
         let l = &st.plan.limits()[c.limit];
         let what = (l.dimension(), l.window().clone());
         Some(self.denial(scopes, c, what))
+    }
+
+    /// Puts back the scopes a check moved to a new plan (see
+    /// [`ShardState::unsync`]): for a check that grants nothing.
+    #[cold]
+    fn unsync(&mut self, scopes: &ScopeSet, slots: &[u32; MAX_SCOPES_LIMIT], moved: Moved) {
+        for (i, before) in moved {
+            let key = &scopes.as_slice()[i];
+            self.scope_part(key).unsync(slots[i], *before);
+        }
     }
 
     fn remaining(&mut self, scopes: &ScopeSet, now: u64) -> Vec<Remaining> {
@@ -531,7 +553,11 @@ impl<'a> Locked<'a> {
         // 3. Every limit of every scope.
         let requested = |d: Dimension| if d.is_implied() { 1 } else { held.get(d) };
         let mut slots = [NO_SLOT; MAX_SCOPES_LIMIT];
-        if let Some(denial) = self.check(&req.scopes, now, &requested, false, &mut slots) {
+        let mut moved = Moved::new();
+        if let Some(denial) =
+            self.check(&req.scopes, now, &requested, false, &mut slots, &mut moved)
+        {
+            self.unsync(&req.scopes, &slots, moved);
             return Err(ReserveError::Denied(denial));
         }
         let expires_ms = now.saturating_add(ttl_ms);
@@ -546,6 +572,8 @@ impl<'a> Locked<'a> {
                     r.resets_at = Some(r.resets_at.map_or(expires_at, |e| e.min(expires_at)));
                 }
             }
+            // A dry run is not journaled: it leaves the scopes on their plans.
+            self.unsync(&req.scopes, &slots, moved);
             return Ok(Granted {
                 id,
                 status: Status::Held,
@@ -778,7 +806,10 @@ impl<'a> Locked<'a> {
         if !delta.is_empty() {
             let requested = |d: Dimension| if d.is_implied() { 0 } else { delta.get(d) };
             let mut slots = [NO_SLOT; MAX_SCOPES_LIMIT];
-            if let Some(denial) = self.check(&scopes, now, &requested, true, &mut slots) {
+            let mut moved = Moved::new();
+            if let Some(denial) = self.check(&scopes, now, &requested, true, &mut slots, &mut moved)
+            {
+                self.unsync(&scopes, &slots, moved);
                 return Err(ExtendError::Denied(denial));
             }
         }
@@ -820,13 +851,23 @@ impl<'a> Locked<'a> {
         let part = self.scope_part(key);
         // A scope never used answers its plan with zero use, and is not created.
         let mut fresh;
+        let mut moved_copy;
         let slot = part.slot_of(key);
         let st = match slot {
             Some(slot) => {
                 let st = part.scope_at(slot);
-                st.sync(catalog);
+                // On its own plan, in place: advancing a plan's windows
+                // gives the same whatever the steps.
                 st.advance(now);
-                st
+                if st.stale(catalog) {
+                    // A read is not journaled: it moves a copy to the new
+                    // plan (see `ScopeState::sync`).
+                    moved_copy = st.clone();
+                    moved_copy.sync(catalog, now);
+                    &mut moved_copy
+                } else {
+                    st
+                }
             }
             None => {
                 fresh = ScopeState::new(

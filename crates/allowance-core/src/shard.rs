@@ -90,18 +90,36 @@ impl ScopeState {
         }
     }
 
-    /// Moves the scope to the catalog's current plan if it changed,
-    /// keeping the history of every limit whose dimension and window stay.
+    /// Moves the scope to the catalog's current plan at `now_ms` if it
+    /// changed, keeping the history of every limit whose dimension and
+    /// window stay (its windows are then at `now_ms`).
+    ///
+    /// The plan the scope was on governs until this instant (a bucket
+    /// refills at its old rate up to `now_ms`): only operations that are
+    /// journaled call this on the scope's own state (a granted reserve, a
+    /// growing extend, a settle, an adjustment), so where a scope moves
+    /// plans depends on those alone, never on a read, a denial or a dry
+    /// run, and a ledger rebuilt from its log, or the Redis store, moves it
+    /// at the same instant. Those others work on a copy
+    /// ([`ScopeState::stale`]).
     #[inline]
-    pub(crate) fn sync(&mut self, catalog: &Catalog) {
-        if self.epoch != catalog.epoch() {
-            self.resync(catalog);
+    pub(crate) fn sync(&mut self, catalog: &Catalog, now_ms: u64) {
+        if self.stale(catalog) {
+            self.resync(catalog, now_ms);
         }
+    }
+
+    /// Whether the catalog changed since the scope last moved to its plan.
+    #[inline]
+    pub(crate) fn stale(&self, catalog: &Catalog) -> bool {
+        self.epoch != catalog.epoch()
     }
 
     /// [`ScopeState::sync`] once the catalog changed (off the hot path).
     #[cold]
-    fn resync(&mut self, catalog: &Catalog) {
+    fn resync(&mut self, catalog: &Catalog, now_ms: u64) {
+        // Up to now on the old plan: its rates and windows were in force.
+        self.advance(now_ms);
         self.epoch = catalog.epoch();
         let plan = catalog.plan_for(&self.key);
         if Arc::ptr_eq(plan, &self.plan) {
@@ -723,7 +741,7 @@ impl ShardState {
         let slot = self.find_or_add(catalog, key, now_ms);
         let ShardState { scopes, gc, .. } = self;
         let st = live(scopes, slot);
-        st.sync(catalog);
+        st.sync(catalog, now_ms);
         st.advance(now_ms);
         queue_if_idle(gc, st, slot, now_ms);
         slot
@@ -820,6 +838,10 @@ impl ShardState {
 
     /// [`ShardState::scope_slot`] and whether `requested(dim)` more fits
     /// under every limit of the scope ([`ScopeState::advance_and_fit`]).
+    /// A scope that moves to a new plan for the check also returns its
+    /// state from before the move: a check that grants nothing (a denial, a
+    /// dry run) puts it back ([`ShardState::unsync`]), as only journaled
+    /// operations may move a scope (see [`ScopeState::sync`]).
     #[inline]
     pub(crate) fn scope_check(
         &mut self,
@@ -828,14 +850,30 @@ impl ShardState {
         now_ms: u64,
         requested: &impl Fn(Dimension) -> u64,
         only_positive: bool,
-    ) -> (u32, bool) {
+    ) -> (u32, bool, Option<Box<ScopeState>>) {
         let slot = self.find_or_add(catalog, key, now_ms);
         let ShardState { scopes, gc, .. } = self;
         let st = live(scopes, slot);
-        st.sync(catalog);
+        let before = st.stale(catalog).then(|| {
+            let before = Box::new(st.clone());
+            st.sync(catalog, now_ms);
+            before
+        });
         let fits = st.advance_and_fit(now_ms, requested, only_positive);
         queue_if_idle(gc, st, slot, now_ms);
-        (slot, fits)
+        (slot, fits, before)
+    }
+
+    /// Puts back a scope's state from before [`ShardState::scope_check`]
+    /// moved it to a new plan. Only its plan and windows differ: the check
+    /// changed no hold, so the rest is as it was.
+    #[cold]
+    pub(crate) fn unsync(&mut self, slot: u32, before: ScopeState) {
+        let st = live(&mut self.scopes, slot);
+        let gc_queued = st.gc_queued;
+        *st = before;
+        // A queue entry pushed by the check stays in the queue.
+        st.gc_queued |= gc_queued;
     }
 
     /// The state in a slot.
@@ -942,7 +980,7 @@ impl ShardState {
                 // A plan change since the scope was last touched is in
                 // force for this settle too: record into the current
                 // plan's limits.
-                st.sync(catalog);
+                st.sync(catalog, now_ms);
                 st.advance(now_ms);
                 st.record_all(now_ms, charged);
             }
@@ -1042,7 +1080,7 @@ impl ShardState {
                 }
             }
         }
-        self.collect(catalog, now, gc_budget);
+        self.collect(now, gc_budget);
         now
     }
 
@@ -1095,7 +1133,7 @@ impl ShardState {
 
     /// Drops up to `budget` scopes that hold nothing and whose windows are
     /// empty; re-queues those that will be empty later.
-    pub(crate) fn collect(&mut self, catalog: &Catalog, now: u64, budget: usize) {
+    pub(crate) fn collect(&mut self, now: u64, budget: usize) {
         for _ in 0..budget {
             match self.gc.peek() {
                 Some(Reverse((due, _))) if *due <= now => {}
@@ -1112,9 +1150,11 @@ impl ShardState {
                 continue; // the release of its last hold queues it again
             }
             st.trim_extra();
-            // On its current plan first: a plan change since the scope was
-            // last touched decides how its windows emptied meanwhile.
-            st.sync(catalog);
+            // On the plan it is on, even if the catalog moved on: that plan
+            // governs until the scope's next journaled operation (see
+            // `ScopeState::sync`), and windows empty under it stay empty
+            // under any plan, so dropping the scope now is the same as
+            // keeping it, whenever the collector happens to run.
             st.advance(now);
             match st.empty_at(now) {
                 Some(at) if at <= now => {

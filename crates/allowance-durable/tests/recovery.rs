@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use allowance_conformance::catalogs::{self, MINUTE_MS, START_MS};
 use allowance_core::{
-    Amounts, Catalog, CatalogChange, Clock, Dimension, ManualClock, Override, Reservation,
-    ReservationId, ReserveRequest, ScopeKey, ScopeStatus, SeededIds, Status, Store, StoreError,
-    Timestamp, Usage, UsageRecord,
+    Amounts, Catalog, CatalogChange, Clock, Dimension, Limit, ManualClock, Override, OverrunPolicy,
+    Plan, Reservation, ReservationId, ReserveRequest, ScopeKey, ScopeStatus, SeededIds, Status,
+    Store, StoreError, Timestamp, Usage, UsageRecord, Window,
 };
 use allowance_durable::{DurableOptions, DurableStore, OpenError, OpenReport};
 use allowance_wal::{FaultyFs, FileSystem, Fsync, RealFs, WalError};
@@ -65,6 +65,16 @@ enum Op {
         tenant: usize,
         plus: Option<bool>,
     },
+    /// The user plan redefined: its minute bucket at 60 or 5 (it keeps its
+    /// level, and refills at the rate it was written under until the
+    /// scope's next write), or a 10 s bucket (another window: its history
+    /// goes at the next write, and comes back only if none came between).
+    UserRate {
+        rate: Option<bool>,
+    },
+    /// Reads every scope, as a dashboard would: reads are not in the log,
+    /// so they must not change what the ledger remembers.
+    Sweep,
     Advance {
         ms: u64,
     },
@@ -85,6 +95,8 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(pick, tokens, ttl_ms)| Op::Extend { pick, tokens, ttl_ms }),
         1 => (0..3usize, -3_000_000..3_000_000i64).prop_map(|(tenant, credit)| Op::Adjust { tenant, credit }),
         1 => (0..3usize, proptest::option::of(any::<bool>())).prop_map(|(tenant, plus)| Op::Plan { tenant, plus }),
+        1 => proptest::option::of(any::<bool>()).prop_map(|rate| Op::UserRate { rate }),
+        1 => Just(Op::Sweep),
         2 => prop_oneof![0..2_000u64, 0..10 * MINUTE_MS, 0..2 * 24 * 60 * MINUTE_MS]
             .prop_map(|ms| Op::Advance { ms }),
         1 => Just(Op::Reopen),
@@ -372,6 +384,23 @@ async fn run(
                     None => CatalogChange::ClearOverride(scope),
                 };
                 let _ = store.change_catalog(&change).await;
+            }
+            Op::UserRate { rate } => {
+                let window = Window::Bucket {
+                    period_ms: if rate.is_some() { MINUTE_MS } else { 10_000 },
+                };
+                let per_window = if *rate == Some(true) { 60 } else { 5 };
+                let limit = Limit::new(Dimension::REQUESTS, per_window, window).expect("valid");
+                let plan = Plan::new("user", vec![limit], OverrunPolicy::ChargeActual)
+                    .expect("valid plan");
+                store
+                    .change_catalog(&CatalogChange::SetPlan(plan))
+                    .await
+                    .expect("a valid plan");
+            }
+            Op::Sweep => {
+                let scopes = store.with_ledger(|l| l.known_scopes()).expect("serving");
+                observe(store, &scopes, &granted).await;
             }
             Op::Advance { ms } => clock.advance_ms(*ms),
             Op::Reopen => {

@@ -121,7 +121,8 @@ local function advance(st, L, from, to)
       if slice <= oldest then st.s[slice] = nil; st.t = st.t - v end
     end
   elseif k == 'b' then
-    st.C = L.c
+    -- Up to now at the capacity it was written under (a plan change takes
+    -- effect at the scope's next write, as in the engine), then the plan's.
     if (st.u > 0 or st.f > 0) and to > from then
       local q, r = muldivmod(st.C, to - from, st.P)
       if q > st.u or (q == st.u and r >= st.f) then
@@ -132,6 +133,7 @@ local function advance(st, L, from, to)
         st.u, st.f = u, f
       end
     end
+    st.C = L.c
   elseif k == 'c' then
     if to >= st.e then st.u = 0; st.e = L.ce end
   end
@@ -679,19 +681,25 @@ function ops.extend()
   if rec.st ~= 'held' then return reply({t = 'notheld', st = rec.st}) end
   if rec.v ~= req.v then return reply({t = 'retry'}) end
   observe_scopes(req.scopes, base, seen_all)
-  local scopes = {}
-  for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
   local grow = has_any(req.h)
-  if grow then
-    local denial = check(scopes, true)
-    if denial then return reply({t = 'deny', d = denial}) end
-  end
   local x
   if req.ttl then x = now + req.ttl end
-  for _, s in ipairs(scopes) do
-    if grow then add_map(s.S.h, req.h, 1) end
-    if x then redis.call('ZADD', s.hkey, I(x), rec.id) end
-    save_scope(s)
+  if grow then
+    local scopes = {}
+    for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
+    local denial = check(scopes, true)
+    if denial then return reply({t = 'deny', d = denial}) end
+    for _, s in ipairs(scopes) do
+      add_map(s.S.h, req.h, 1)
+      if x then redis.call('ZADD', s.hkey, I(x), rec.id) end
+      save_scope(s)
+    end
+  elseif x then
+    -- A new expiry only: the windows are not read, so the scopes stay on
+    -- the plan they were written under, as in the engine.
+    for _, sc in ipairs(req.scopes) do
+      redis.call('ZADD', sc.b .. ':h:' .. sc.n, I(x), rec.id)
+    end
   end
   add_map(rec.h, req.h, 1)
   if x then
