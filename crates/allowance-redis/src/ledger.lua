@@ -283,6 +283,17 @@ local function load_scope(sc)
   return {S = S, states = states, key = key, hkey = sc.b .. ':h:' .. sc.n, lims = sc.lims}
 end
 
+-- A scope's state as stored, its windows not advanced (nil if absent): for
+-- an operation that changes only holds (a release, an undone raise), which
+-- leaves the scope on the plan it was last written under, as the engine does.
+local function load_raw(sc)
+  local key = sc.b .. ':s:' .. sc.n
+  local raw = redis.call('GET', key)
+  local S
+  if raw then S = decode(raw, key) end
+  return {S = S, key = key, hkey = sc.b .. ':h:' .. sc.n}
+end
+
 local function save_scope(x)
   local l = {}
   for i, L in ipairs(x.lims) do
@@ -864,21 +875,34 @@ function ops.fend()
     expire_foreign(g, req.id)
     f = decode(redis.call('GET', fkey), fkey)
   end
-  local scopes = {}
-  for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
   local held = f and f.st == 'held'
   if req.fin == 'release' and not held then return reply({t = 'ok'}) end
   if f and f.st == 'released' and req.fin == 'settle' then held = false end
-  for _, s in ipairs(scopes) do
-    if req.fin == 'settle' then
+  -- Every scope read before the first write.
+  if req.fin == 'settle' then
+    local scopes = {}
+    for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
+    for _, s in ipairs(scopes) do
       for li, L in ipairs(s.lims) do record(s.states[li], L.a or 0) end
+      if held then
+        s.S.hc = s.S.hc - 1
+        add_map(s.S.h, f.h, -1)
+        redis.call('ZREM', s.hkey, req.id)
+      end
+      save_scope(s)
     end
-    if held then
-      s.S.hc = s.S.hc - 1
-      add_map(s.S.h, f.h, -1)
-      redis.call('ZREM', s.hkey, req.id)
+  else
+    -- A release lets go of the holds only: the windows are not read.
+    local loaded = {}
+    for i, sc in ipairs(req.scopes) do loaded[i] = load_raw(sc) end
+    for _, x in ipairs(loaded) do
+      if x.S then
+        x.S.hc = x.S.hc - 1
+        add_map(x.S.h, f.h, -1)
+        store_scope(x.key, x.S)
+      end
+      redis.call('ZREM', x.hkey, req.id)
     end
-    save_scope(s)
   end
   f = f or {id = req.id, sc = {}, sb = {}, h = {}, x = now}
   if req.fin == 'settle' then f.st = 'settled' else f.st = 'released' end
@@ -900,21 +924,32 @@ function ops.fextend()
   if not raw then return reply({t = 'notheld', st = 'expired'}) end
   local f = decode(raw, fkey)
   if f.st ~= 'held' then return reply({t = 'notheld', st = 'expired'}) end
-  local scopes = {}
-  for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
   local sign = 1
   if req.undo then sign = -1 end
   local grow = has_any(req.h)
-  if grow and not req.undo then
-    local denial = check(scopes, true)
-    if denial then return reply({t = 'deny', d = denial}) end
-  end
   local x
   if req.undo then x = req.ox elseif req.ttl then x = now + req.ttl end
-  for _, s in ipairs(scopes) do
-    if grow then add_map(s.S.h, req.h, sign) end
-    if x then redis.call('ZADD', s.hkey, I(x), req.id) end
-    save_scope(s)
+  if grow and not req.undo then
+    local scopes = {}
+    for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
+    local denial = check(scopes, true)
+    if denial then return reply({t = 'deny', d = denial}) end
+    for _, s in ipairs(scopes) do
+      add_map(s.S.h, req.h, 1)
+      if x then redis.call('ZADD', s.hkey, I(x), req.id) end
+      save_scope(s)
+    end
+  else
+    -- An undone raise or a new expiry only: the windows are not read.
+    local loaded = {}
+    for i, sc in ipairs(req.scopes) do loaded[i] = load_raw(sc) end
+    for _, l in ipairs(loaded) do
+      if grow and l.S then
+        add_map(l.S.h, req.h, sign)
+        store_scope(l.key, l.S)
+      end
+      if x then redis.call('ZADD', l.hkey, I(x), req.id) end
+    end
   end
   local ox = f.x
   add_map(f.h, req.h, sign)

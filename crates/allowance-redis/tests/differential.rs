@@ -668,3 +668,69 @@ fn redis_cluster_answers_as_the_engine_does() {
     let cluster = RedisCluster::start(3);
     run_histories(&cluster.urls()[0], cases().div_ceil(3), true);
 }
+
+/// A refund, or an extend that only moves the expiry, must leave a scope
+/// on the plan it was last written under, as the engine does: on one node
+/// and on a cluster, where the shared scope's holds are released and
+/// re-timed by scripts of their own (`fend`, `fextend`). Here the tool
+/// plan's window changes and changes back around them; the minute's 5
+/// search calls must still count.
+#[test]
+fn a_release_leaves_the_scope_on_its_plan() {
+    let Some(()) = redis_available() else { return };
+    let server = RedisServer::start();
+    let cluster = RedisCluster::start(3);
+    let reserve = Op::Reserve {
+        tenant: 0,
+        user: None,
+        agent: None,
+        task: None,
+        tool: true,
+        tokens: 100,
+        search_calls: 5,
+        key: None,
+        ttl_ms: None,
+        model: false,
+        dry_run: false,
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let release = Op::Refund { pick: 1 };
+    let retime = Op::Extend {
+        pick: 1,
+        tokens: None,
+        ttl_ms: Some(60_000),
+    };
+    for (i, between) in [release, retime].into_iter().enumerate() {
+        let ops = [
+            reserve.clone(),
+            Op::Settle {
+                pick: 0,
+                tokens: 100,
+                search_calls: 5,
+                split: None,
+                charge_micros: None,
+            },
+            reserve.clone(),
+            // The tool plan on a calendar hour, then back on its sliding
+            // minute.
+            Op::Redefine {
+                which: 2,
+                variant: 2,
+            },
+            Op::Advance { ms: 1_000 },
+            between,
+            Op::Redefine {
+                which: 2,
+                variant: 0,
+            },
+        ];
+        let prefix = format!("release{i}:");
+        rt.block_on(compare(&server.url(), prefix.clone(), false, &ops))
+            .unwrap_or_else(|e| panic!("on one node: {e}"));
+        rt.block_on(compare(&cluster.urls()[0], prefix, true, &ops))
+            .unwrap_or_else(|e| panic!("on the cluster: {e}"));
+    }
+}
