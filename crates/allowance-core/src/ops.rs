@@ -859,7 +859,7 @@ impl<'a> Locked<'a> {
                 // On its own plan, in place: advancing a plan's windows
                 // gives the same whatever the steps.
                 st.advance(now);
-                if st.stale(catalog) {
+                if st.needs_move(catalog) {
                     // A read is not journaled: it moves a copy to the new
                     // plan (see `ScopeState::sync`).
                     moved_copy = st.clone();

@@ -101,7 +101,7 @@ impl ScopeState {
     /// plans depends on those alone, never on a read, a denial or a dry
     /// run, and a ledger rebuilt from its log, or the Redis store, moves it
     /// at the same instant. Those others work on a copy
-    /// ([`ScopeState::stale`]).
+    /// ([`ScopeState::needs_move`]).
     #[inline]
     pub(crate) fn sync(&mut self, catalog: &Catalog, now_ms: u64) {
         if self.stale(catalog) {
@@ -111,8 +111,26 @@ impl ScopeState {
 
     /// Whether the catalog changed since the scope last moved to its plan.
     #[inline]
-    pub(crate) fn stale(&self, catalog: &Catalog) -> bool {
+    fn stale(&self, catalog: &Catalog) -> bool {
         self.epoch != catalog.epoch()
+    }
+
+    /// Whether [`ScopeState::sync`] would move the scope to another plan.
+    /// A catalog change that left its plan as it was (a price, another
+    /// kind's plan) is taken in here: the scope is marked current, which
+    /// changes nothing it answers.
+    #[inline]
+    pub(crate) fn needs_move(&mut self, catalog: &Catalog) -> bool {
+        self.stale(catalog) && self.plan_changed(catalog)
+    }
+
+    #[cold]
+    fn plan_changed(&mut self, catalog: &Catalog) -> bool {
+        if Arc::ptr_eq(catalog.plan_for(&self.key), &self.plan) {
+            self.epoch = catalog.epoch();
+            return false;
+        }
+        true
     }
 
     /// [`ScopeState::sync`] once the catalog changed (off the hot path).
@@ -854,7 +872,7 @@ impl ShardState {
         let slot = self.find_or_add(catalog, key, now_ms);
         let ShardState { scopes, gc, .. } = self;
         let st = live(scopes, slot);
-        let before = st.stale(catalog).then(|| {
+        let before = st.needs_move(catalog).then(|| {
             let before = Box::new(st.clone());
             st.sync(catalog, now_ms);
             before
