@@ -116,6 +116,70 @@ pub(crate) async fn plan_change_keeps_history(h: Harness) {
     );
 }
 
+/// A plan change reaches a scope's history at the scope's next write (a
+/// granted reserve, a settle, a growing extend, an adjustment): until then
+/// the plan it was on governs, so a bucket whose capacity falls refills at
+/// its old rate up to that write. Reads, denials, dry runs, refunds and
+/// extends that only move an expiry show the new plan but move nothing:
+/// a store rebuilt from its log, or one whose reads write nothing, answers
+/// the same whatever was read in between.
+pub(crate) async fn plan_change_reaches_a_scope_at_its_next_write(h: Harness) {
+    let bob = [("user", "bob")];
+    let user = "tenant:acme/user:bob";
+    // Two requests of 60 a minute: back at one a second.
+    h.spend("acme", &bob, tokens(10)).await;
+    h.spend("acme", &bob, tokens(10)).await;
+    let held = h.hold("acme", &bob, tokens(10)).await;
+    h.set_ms(500);
+    h.status(user).await;
+    let five = Plan::new(
+        "user",
+        vec![limit(
+            Dimension::REQUESTS,
+            5,
+            Window::Bucket {
+                period_ms: MINUTE_MS,
+            },
+        )],
+        OverrunPolicy::ChargeActual,
+    )
+    .expect("a valid plan");
+    change(&h, CatalogChange::SetPlan(five)).await;
+    h.set_ms(550);
+    assert_eq!(
+        h.limit(user, "requests", WindowKind::Bucket).await.capacity,
+        5,
+        "a read shows the new plan at once"
+    );
+    // More than the tenant's whole hourly budget: refused after every
+    // scope was checked.
+    h.deny(&h.request("acme", &bob, tokens(1_000_000)).await)
+        .await;
+    let mut dry = h.request("acme", &bob, tokens(10)).await;
+    dry.dry_run = true;
+    assert!(h.reserve(&dry).await.dry_run);
+    h.extend(held, None, Some(60_000)).await;
+    h.refund(held).await;
+    h.set_ms(600);
+    // 0.6 of a request back at the old rate: 2 still used (rounded up);
+    // the other 1.4 at 5 a minute, 16.8 s.
+    let l = h.limit(user, "requests", WindowKind::Bucket).await;
+    assert_eq!(
+        (l.used, l.resets_at),
+        (2, Some(crate::support::at(600 + 16_800))),
+        "nothing but a write moves the scope to its new rate"
+    );
+    // A write at 600 ms: 2 − 0.6 + 1 = 2.4 requests, back at 5 a minute.
+    h.spend("acme", &bob, tokens(10)).await;
+    h.set_ms(1_600);
+    let l = h.limit(user, "requests", WindowKind::Bucket).await;
+    assert_eq!(
+        (l.used, l.resets_at),
+        (3, Some(crate::support::at(600 + 28_800))),
+        "a write moves the scope: the new rate from there"
+    );
+}
+
 /// The overrun policy is fixed at reserve: a plan change does not alter a
 /// live reservation's promise, and governs the next one.
 pub(crate) async fn plan_change_keeps_live_promises(h: Harness) {
