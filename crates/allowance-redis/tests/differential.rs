@@ -17,7 +17,8 @@
 //! At the end, the usage logs must report the same events.
 //!
 //! The same on a 3-node cluster, where reservations with the shared scope
-//! span slots. One Redis deployment for the whole test; each case has its
+//! span slots (there the tool plan is never redefined: see `op`). One
+//! Redis deployment for the whole test; each case has its
 //! own key prefix. 24 cases by default (8 on the cluster);
 //! `ALLOWANCE_PROPTEST_CASES=500` for a soak run.
 //! Failures are kept in `tests/differential.proptest-regressions` and
@@ -100,7 +101,7 @@ enum Op {
     ExpireDue,
 }
 
-fn op() -> impl Strategy<Value = Op> {
+fn op(cluster: bool) -> impl Strategy<Value = Op> {
     let reserve = (
         (
             0..2usize,
@@ -165,7 +166,11 @@ fn op() -> impl Strategy<Value = Op> {
         ]
         .prop_map(|ms| Op::Advance { ms }),
         1 => Just(Op::ExpireDue),
-        1 => (0..5usize, 0..4usize).prop_map(|(which, variant)| Op::Redefine { which, variant }),
+        // On a cluster not the tool plan: a cross-slot attempt the
+        // tenant's slot refuses leaves the shared scope moved to its new
+        // plan (docs/REDIS-STORE.md, "Shared scopes on a cluster").
+        1 => (prop::sample::select(if cluster { &[0usize, 1, 3, 4][..] } else { &[0usize, 1, 2, 3, 4][..] }), 0..4usize)
+            .prop_map(|(which, variant)| Op::Redefine { which, variant }),
     ]
 }
 
@@ -639,7 +644,7 @@ fn run_histories(url: &str, cases: u32, cluster: bool) {
         ..Config::default()
     };
     let mut runner = TestRunner::new(config);
-    let result = runner.run(&proptest::collection::vec(op(), 1..120), |ops| {
+    let result = runner.run(&proptest::collection::vec(op(cluster), 1..120), |ops| {
         let prefix = format!("diff{}:", case.fetch_add(1, Ordering::Relaxed));
         rt.block_on(compare(url, prefix, cluster, &ops))
     });

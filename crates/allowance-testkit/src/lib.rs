@@ -539,6 +539,47 @@ impl RedisServer {
         }
     }
 
+    /// Blocks until `replica` has everything this master has written so
+    /// far: its `slave_repl_offset` reaches this master's
+    /// `master_repl_offset`, with the link up.
+    ///
+    /// Not `WAIT`: it counts only the writes of the connection that sends
+    /// it, so sent on a connection of its own (as [`RedisServer::command`]
+    /// does) it answers at once, whatever the replica lacks.
+    ///
+    /// # Panics
+    ///
+    /// If either server does not answer, or the replica does not catch up
+    /// within `within`.
+    pub fn wait_replicated(&self, replica: &RedisServer, within: Duration) {
+        fn offset(info: &str, field: &str) -> u64 {
+            info.lines()
+                .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or_else(|| panic!("no {field} in INFO replication: {info}"))
+        }
+        let info = self
+            .command(&["INFO", "replication"])
+            .expect("the master answers INFO");
+        let written = offset(&info, "master_repl_offset");
+        let asked = Instant::now();
+        loop {
+            let info = replica
+                .command(&["INFO", "replication"])
+                .expect("the replica answers INFO");
+            if info.contains("master_link_status:up")
+                && offset(&info, "slave_repl_offset") >= written
+            {
+                return;
+            }
+            assert!(
+                asked.elapsed() < within,
+                "the replica did not reach offset {written} within {within:?}: {info}"
+            );
+            sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Spawns `redis-server` on `self.port` in `self.dir` and waits until it answers.
     fn launch(&mut self) -> Result<(), LaunchError> {
         debug_assert!(self.child.is_none());

@@ -290,7 +290,7 @@ fn replica_follows_its_master() {
         "{info}"
     );
     master.command(&["SET", "after", "2"]).unwrap();
-    assert_eq!(master.command(&["WAIT", "1", "2000"]).unwrap(), "1");
+    master.wait_replicated(&replica, Duration::from_secs(10));
     assert_eq!(replica.command(&["GET", "before"]).unwrap(), "1");
     assert_eq!(replica.command(&["GET", "after"]).unwrap(), "2");
     let err = replica.command(&["SET", "x", "y"]).unwrap_err();
