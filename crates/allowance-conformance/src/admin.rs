@@ -20,6 +20,19 @@ fn hour() -> Window {
     }
 }
 
+/// A plan of `n` requests a minute, in a bucket.
+fn requests_per_minute(name: &str, n: u64) -> std::sync::Arc<Plan> {
+    let bucket = Window::Bucket {
+        period_ms: MINUTE_MS,
+    };
+    Plan::new(
+        name,
+        vec![limit(Dimension::REQUESTS, n, bucket)],
+        OverrunPolicy::ChargeActual,
+    )
+    .expect("a valid plan")
+}
+
 async fn change(h: &Harness, c: CatalogChange) {
     h.store
         .change_catalog(&c)
@@ -132,18 +145,7 @@ pub(crate) async fn plan_change_reaches_a_scope_at_its_next_write(h: Harness) {
     let held = h.hold("acme", &bob, tokens(10)).await;
     h.set_ms(500);
     h.status(user).await;
-    let five = Plan::new(
-        "user",
-        vec![limit(
-            Dimension::REQUESTS,
-            5,
-            Window::Bucket {
-                period_ms: MINUTE_MS,
-            },
-        )],
-        OverrunPolicy::ChargeActual,
-    )
-    .expect("a valid plan");
+    let five = requests_per_minute("user", 5);
     change(&h, CatalogChange::SetPlan(five)).await;
     h.set_ms(550);
     assert_eq!(
@@ -216,18 +218,7 @@ pub(crate) async fn plan_change_keeps_live_promises(h: Harness) {
 /// same.
 pub(crate) async fn override_and_clear(h: Harness) {
     let bob = key("tenant:acme/user:bob");
-    let two_a_minute = Plan::new(
-        "bob-special",
-        vec![limit(
-            Dimension::REQUESTS,
-            2,
-            Window::Bucket {
-                period_ms: MINUTE_MS,
-            },
-        )],
-        OverrunPolicy::ChargeActual,
-    )
-    .expect("a valid plan");
+    let two_a_minute = requests_per_minute("bob-special", 2);
     change(
         &h,
         CatalogChange::SetOverride(bob.clone(), Override::Limits(two_a_minute)),
