@@ -357,32 +357,34 @@ local function schedule_drop(base, rec, from)
   redis.call('ZADD', base .. ':d', I(rec.da), rec.id)
 end
 
+-- Takes one hold (amounts `h` of reservation `id`) off each of `scopes`
+-- ({b, n} each), on the state as stored: the windows are not read, so the
+-- scopes stay on the plan they were last written under, as in the engine.
+-- Every scope is read before the first write: a corrupted one fails the
+-- script with nothing changed.
+local function drop_hold(scopes, h, id)
+  local loaded = {}
+  for i, sc in ipairs(scopes) do loaded[i] = load_raw(sc) end
+  for _, x in ipairs(loaded) do
+    if x.S then
+      x.S.hc = x.S.hc - 1
+      add_map(x.S.h, h, -1)
+      store_scope(x.key, x.S)
+    end
+    redis.call('ZREM', x.hkey, id)
+  end
+end
+
 -- Releases a HELD reservation's hold on every scope (its windows
--- untouched). Every scope is read before the first write: a corrupted one
--- fails the script with nothing changed.
+-- untouched).
 local function release(rec, home)
   -- On a cluster a script reaches only its own group: a reservation's
   -- holds on shared scopes are released by their groups (ops.fend).
-  local function here(i) return not req.cl or rec.sb[i] == home end
-  local loaded = {}
+  local scopes = {}
   for i, name in ipairs(rec.sc) do
-    if here(i) then
-      local key = rec.sb[i] .. ':s:' .. name
-      local raw = redis.call('GET', key)
-      if raw then loaded[i] = {key = key, S = decode(raw, key)} end
-    end
+    if not req.cl or rec.sb[i] == home then scopes[#scopes + 1] = {b = rec.sb[i], n = name} end
   end
-  for i, name in ipairs(rec.sc) do
-    if here(i) then
-      local x = loaded[i]
-      if x then
-        x.S.hc = x.S.hc - 1
-        add_map(x.S.h, rec.h, -1)
-        store_scope(x.key, x.S)
-      end
-      redis.call('ZREM', rec.sb[i] .. ':h:' .. name, rec.id)
-    end
-  end
+  drop_hold(scopes, rec.h, rec.id)
 end
 
 local function expire(rec, base)
@@ -892,17 +894,7 @@ function ops.fend()
       save_scope(s)
     end
   else
-    -- A release lets go of the holds only: the windows are not read.
-    local loaded = {}
-    for i, sc in ipairs(req.scopes) do loaded[i] = load_raw(sc) end
-    for _, x in ipairs(loaded) do
-      if x.S then
-        x.S.hc = x.S.hc - 1
-        add_map(x.S.h, f.h, -1)
-        store_scope(x.key, x.S)
-      end
-      redis.call('ZREM', x.hkey, req.id)
-    end
+    drop_hold(req.scopes, f.h, req.id)
   end
   f = f or {id = req.id, sc = {}, sb = {}, h = {}, x = now}
   if req.fin == 'settle' then f.st = 'settled' else f.st = 'released' end
