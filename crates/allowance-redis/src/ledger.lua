@@ -375,6 +375,24 @@ local function drop_hold(scopes, h, id)
   end
 end
 
+-- Records each scope's charges (`L.a` of every limit, set by `req`) and,
+-- when the reservation still `held`, takes its hold (amounts `h`, id `id`)
+-- off: the settle of `scopes` ({b, n, ...} each). Every scope is read before
+-- the first write: a corrupted one fails the script with nothing changed.
+local function record_charges(scopes, h, id, held)
+  local loaded = {}
+  for i, sc in ipairs(scopes) do loaded[i] = load_scope(sc) end
+  for _, s in ipairs(loaded) do
+    for li, L in ipairs(s.lims) do record(s.states[li], L.a or 0) end
+    if held then
+      s.S.hc = s.S.hc - 1
+      add_map(s.S.h, h, -1)
+      redis.call('ZREM', s.hkey, id)
+    end
+    save_scope(s)
+  end
+end
+
 -- Releases a HELD reservation's hold on every scope (its windows
 -- untouched).
 local function release(rec, home)
@@ -641,18 +659,7 @@ function ops.settle()
   if rec.v ~= req.v then return reply({t = 'retry'}) end
   local held = rec.st == 'held'
   observe_scopes(req.scopes, base, seen_all)
-  -- Every scope read before the first write.
-  local scopes = {}
-  for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
-  for _, s in ipairs(scopes) do
-    for li, L in ipairs(s.lims) do record(s.states[li], L.a or 0) end
-    if held then
-      s.S.hc = s.S.hc - 1
-      add_map(s.S.h, rec.h, -1)
-      redis.call('ZREM', s.hkey, rec.id)
-    end
-    save_scope(s)
-  end
+  record_charges(req.scopes, rec.h, rec.id, held)
   if held then
     redis.call('ZREM', base .. ':x', rec.id)
   end
@@ -880,19 +887,8 @@ function ops.fend()
   local held = f and f.st == 'held'
   if req.fin == 'release' and not held then return reply({t = 'ok'}) end
   if f and f.st == 'released' and req.fin == 'settle' then held = false end
-  -- Every scope read before the first write.
   if req.fin == 'settle' then
-    local scopes = {}
-    for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
-    for _, s in ipairs(scopes) do
-      for li, L in ipairs(s.lims) do record(s.states[li], L.a or 0) end
-      if held then
-        s.S.hc = s.S.hc - 1
-        add_map(s.S.h, f.h, -1)
-        redis.call('ZREM', s.hkey, req.id)
-      end
-      save_scope(s)
-    end
+    record_charges(req.scopes, f and f.h, req.id, held)
   else
     drop_hold(req.scopes, f.h, req.id)
   end
