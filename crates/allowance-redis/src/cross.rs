@@ -333,14 +333,11 @@ impl RedisStore {
                 remaining,
             }));
         }
-        let rec = reply
-            .rec
-            .as_ref()
-            .ok_or_else(|| Self::corrupt("a grant without its record".into()))?;
-        let res = self.reservation(catalog, rec)?;
+        let rec = Self::granted_record(&reply, tenant_req.rec.as_ref())?;
+        let res = self.reservation(catalog, &rec)?;
         let replayed = reply.replay == Some(true);
         if !replayed && res.status == Status::Held {
-            self.remember(rec);
+            self.remember(&rec);
         }
         let remaining = if replayed || !req.report_remaining {
             Vec::new()

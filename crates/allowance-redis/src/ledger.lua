@@ -644,7 +644,10 @@ function ops.reserve()
   if ikey then redis.call('SET', ikey, req.id) end
   local rem
   if req.rr then rem = report(scopes) end
-  return reply({t = 'ok', rec = rec, rem = rem})
+  -- The caller sent the record: it learns what the script stamped on it
+  -- (held, created now, version 1, expiry x), not the record again, which
+  -- would cost a packing of it on every reserve.
+  return reply({t = 'ok', now = now, x = x, rem = rem})
 end
 
 function ops.settle()

@@ -47,6 +47,7 @@ mod wire;
 
 pub use fail_open::FailOpenLocal;
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -714,6 +715,29 @@ impl RedisStore {
         rec.reservation(catalog).map_err(Self::corrupt)
     }
 
+    /// The record an `ok` answer to a reserve stands for: a replay carries
+    /// the stored record; a fresh grant only the instant and expiry the
+    /// script stamped on `sent` (held, version 1), as it stored it.
+    fn granted_record<'a>(
+        reply: &'a Reply,
+        sent: Option<&Rec>,
+    ) -> Result<Cow<'a, Rec>, Unavailable> {
+        if let Some(rec) = &reply.rec {
+            return Ok(Cow::Borrowed(rec));
+        }
+        let (Some(sent), Some(now), Some(x)) = (sent, reply.now, reply.x) else {
+            return Err(Self::corrupt(
+                "a grant without its instant and expiry".into(),
+            ));
+        };
+        let mut rec = sent.clone();
+        rec.st = "held".to_string();
+        rec.cr = Some(now);
+        rec.x = Some(x);
+        rec.v = Some(1);
+        Ok(Cow::Owned(rec))
+    }
+
     /// Handles the answers every ledger call may give instead of a result:
     /// `Some(now)` to start over (with the server's instant for calendar
     /// bounds), after catching up with the catalog if it changed.
@@ -1125,13 +1149,10 @@ impl Store for RedisStore {
                     })
                 }
                 "ok" => {
-                    let rec = reply
-                        .rec
-                        .as_ref()
-                        .ok_or_else(|| Self::corrupt("a grant without its record".into()))?;
-                    let res = self.reservation(&catalog, rec)?;
+                    let rec = Self::granted_record(&reply, r.rec.as_ref())?;
+                    let res = self.reservation(&catalog, &rec)?;
                     if res.status == Status::Held {
-                        self.remember(rec);
+                        self.remember(&rec);
                     }
                     let remaining = if reply.replay == Some(true) || !req.report_remaining {
                         Vec::new()
