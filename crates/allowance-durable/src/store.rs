@@ -27,20 +27,35 @@ pub struct DurableOptions {
     /// records were appended since the last one: recovery replays at most
     /// about this many records. At least 1.
     pub snapshot_every_records: u64,
+    /// The usage log (`GET /v1/usage`) keeps at least this many of its
+    /// latest records; older ones are deleted a whole segment at a time
+    /// when a snapshot is written. At least 1.
+    pub usage_keep_records: u64,
+    /// The size of the usage log's segments (what is deleted at a time).
+    pub usage_segment_bytes: u64,
 }
 
 /// Snapshot after a million records: about a second of replay at the
 /// measured recovery speed, and a snapshot every few minutes under load.
 pub const DEFAULT_SNAPSHOT_EVERY_RECORDS: u64 = 1_000_000;
 
+/// The usage records kept by default: as many as the Redis store's usage
+/// stream keeps (~2 GB of disk at ~200 bytes a record). An exporter that
+/// reads at least that often misses nothing; an older cursor reads on from
+/// the oldest record kept, as on the other stores.
+pub const DEFAULT_USAGE_KEEP_RECORDS: u64 = 10_000_000;
+
 impl DurableOptions {
     /// The defaults in `dir`: `fsync = always`, 16 shards, a snapshot every
-    /// [`DEFAULT_SNAPSHOT_EVERY_RECORDS`] records.
+    /// [`DEFAULT_SNAPSHOT_EVERY_RECORDS`] records, the latest
+    /// [`DEFAULT_USAGE_KEEP_RECORDS`] usage records kept.
     pub fn new(dir: impl Into<std::path::PathBuf>) -> Self {
         DurableOptions {
             wal: WalOptions::new(dir),
             shards: 16,
             snapshot_every_records: DEFAULT_SNAPSHOT_EVERY_RECORDS,
+            usage_keep_records: DEFAULT_USAGE_KEEP_RECORDS,
+            usage_segment_bytes: DEFAULT_USAGE_SEGMENT_BYTES,
         }
     }
 }
@@ -113,6 +128,9 @@ struct Live {
     /// they reach the usage log only once their record is durable, so the
     /// usage log never holds an event the main log could lose.
     pending_usage: Mutex<std::collections::VecDeque<(Lsn, Vec<UsageEvent>)>>,
+    /// Held (shared) by usage page reads, (exclusive) by the trim of the
+    /// usage log: a read never finds a segment deleted under it.
+    usage_trim: RwLock<()>,
     /// The configuration file's catalog the log last recorded.
     base: Arc<Catalog>,
     /// Admin changes in force, oldest first: what a new configuration file
@@ -311,7 +329,11 @@ impl DurableStore {
     /// off the async runtime.
     pub fn snapshot_now(&self) -> Result<Lsn, String> {
         let live = self.inner.live().map_err(|e| e.0)?;
-        write_snapshot(&live, self.inner.clock.now())
+        write_snapshot(
+            &live,
+            self.inner.clock.now(),
+            self.inner.opts.usage_keep_records,
+        )
     }
 
     /// Stops the log cleanly (everything appended written and synced).
@@ -681,7 +703,12 @@ fn recover(
         ..inner.opts.wal.clone()
     };
     let (main, usage) = std::thread::scope(|scope| {
-        let usage = scope.spawn(|| Wal::open(usage_options(&inner.opts.wal), inner.fs.clone()));
+        let usage = scope.spawn(|| {
+            Wal::open(
+                usage_options(&inner.opts.wal, inner.opts.usage_segment_bytes),
+                inner.fs.clone(),
+            )
+        });
         let main = Wal::open(main_opts, inner.fs.clone());
         // A panic there is a bug: carried on here as if it had run here.
         let usage = usage
@@ -775,6 +802,7 @@ fn recover(
         wal,
         usage_wal,
         pending_usage: Mutex::new(std::collections::VecDeque::new()),
+        usage_trim: RwLock::new(()),
         base: inner.config.clone(),
         overlay: Mutex::new(overlay),
         since_snapshot: AtomicU64::new(report.replayed),
@@ -789,10 +817,10 @@ fn recover(
 /// after a failed fsync and a power loss, come back with a hole that stops
 /// start-up; fsynced, a failure cuts it back cleanly and a restart
 /// regenerates the rest from the main log.
-fn usage_options(main: &WalOptions) -> WalOptions {
+fn usage_options(main: &WalOptions, segment_bytes: u64) -> WalOptions {
     let mut opts = WalOptions::new(main.dir.join("usage"));
     opts.fsync = allowance_wal::Fsync::Always;
-    opts.segment_bytes = USAGE_SEGMENT_BYTES;
+    opts.segment_bytes = segment_bytes;
     // Nothing in a request's path waits for it: write (and fsync) in
     // batches every few ms instead of waking a thread per operation.
     opts.write_every = Some(USAGE_WRITE_EVERY);
@@ -804,7 +832,7 @@ fn usage_options(main: &WalOptions) -> WalOptions {
 const USAGE_WRITE_EVERY: Duration = Duration::from_millis(5);
 
 /// Usage log segments: a page read decodes at most a few of them.
-const USAGE_SEGMENT_BYTES: u64 = 4 << 20;
+pub const DEFAULT_USAGE_SEGMENT_BYTES: u64 = 4 << 20;
 
 /// Where the usage log stands: the main lsn and event index of its last
 /// record (`(0, None)` when it is empty).
@@ -814,12 +842,27 @@ fn last_usage(usage_wal: &Wal) -> Result<(Lsn, Option<u32>), OpenError> {
         return Ok((0, None));
     }
     let mut found = (0, None);
-    usage_wal.replay(last - 1, |_, bytes| {
+    match usage_wal.replay(last - 1, |_, bytes| {
         let entry = record::decode_usage(bytes)?;
         found = (entry.main_lsn, Some(entry.index));
         Ok(())
-    })?;
-    Ok(found)
+    }) {
+        Ok(_) => Ok(found),
+        // No record after the last trim survived (a power loss right after
+        // it): the trim's snapshot is that last record (see `trim_usage`).
+        Err(WalError::Compacted { .. }) => {
+            let Some((lsn, bytes)) = usage_wal.latest_snapshot()? else {
+                return Ok(found);
+            };
+            let entry = record::decode_usage(&bytes).map_err(|message| OpenError::Snapshot {
+                lsn,
+                dir: usage_wal.dir().display().to_string(),
+                message,
+            })?;
+            Ok((entry.main_lsn, Some(entry.index)))
+        }
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// Two catalogs are the same configuration when they encode the same.
@@ -830,8 +873,9 @@ fn same_catalog(a: &Catalog, b: &Catalog) -> bool {
     }
 }
 
-/// Writes a snapshot of `live` and deletes the log it covers.
-fn write_snapshot(live: &Live, now: Timestamp) -> Result<Lsn, String> {
+/// Writes a snapshot of `live` and deletes the log it covers; then trims the
+/// usage log to its latest `keep_usage` records.
+fn write_snapshot(live: &Live, now: Timestamp, keep_usage: u64) -> Result<Lsn, String> {
     // Expiries not reported yet are committed first (a snapshot carries
     // none), under the same locks.
     let (tick, (lsn, overlay), ledger) =
@@ -858,7 +902,44 @@ fn write_snapshot(live: &Live, now: Timestamp) -> Result<Lsn, String> {
     live.wal
         .write_snapshot(lsn, &bytes)
         .map_err(|e| e.to_string())?;
+    if let Err(e) = trim_usage(live, keep_usage) {
+        // Nothing is lost: the log is only longer until the next snapshot.
+        tracing::warn!(error = %e, "usage log: old records not deleted");
+    }
     Ok(lsn)
+}
+
+/// Deletes the usage log's segments whose records are all older than its
+/// latest `keep` records. The usage log has no snapshot of its own: an
+/// empty one marks where it now starts, which is what lets it open again
+/// without the records before (and deletes the covered segments).
+///
+/// The snapshot holds the record at its lsn: should a power loss take every
+/// record after it, a start-up still knows how far the usage log had come
+/// in the main log (`last_usage`).
+fn trim_usage(live: &Live, keep: u64) -> Result<(), String> {
+    let synced = live.usage_wal.durable_lsn();
+    let keep = keep.max(1);
+    if synced <= keep {
+        return Ok(());
+    }
+    let through = synced - keep;
+    let _no_reader = live.usage_trim.write();
+    let mut last_dropped = None;
+    match live.usage_wal.replay(through - 1, |_, bytes| {
+        last_dropped = Some(bytes.to_vec());
+        Err(PAGE_FULL.to_owned())
+    }) {
+        Err(WalError::Replay { message, .. }) if message == PAGE_FULL => {}
+        // Trimmed this far already.
+        Err(WalError::Compacted { .. }) => return Ok(()),
+        Err(e) => return Err(e.to_string()),
+        Ok(_) => {}
+    }
+    let bytes = last_dropped.ok_or_else(|| format!("usage record {through} not found"))?;
+    live.usage_wal
+        .write_snapshot(through, &bytes)
+        .map_err(|e| e.to_string())
 }
 
 impl DurableStore {
@@ -923,9 +1004,10 @@ impl DurableStore {
         }
         let live = live.clone();
         let now = self.inner.clock.now();
+        let keep_usage = self.inner.opts.usage_keep_records;
         tokio::task::spawn_blocking(move || {
             let started = Instant::now();
-            match write_snapshot(&live, now) {
+            match write_snapshot(&live, now, keep_usage) {
                 Ok(lsn) => {
                     live.since_snapshot.store(0, Ordering::Relaxed);
                     tracing::info!(
@@ -1219,23 +1301,13 @@ fn read_usage(
     if limit == 0 {
         return Ok(page);
     }
-    let outcome = live.usage_wal.replay(after, |lsn, bytes| {
-        let entry = record::decode_usage(bytes)?;
-        page.next_cursor = lsn;
-        if tenant
-            .as_deref()
-            .is_none_or(|t| entry.event.tenant() == Some(t))
-        {
-            page.records.push(UsageRecord {
-                cursor: lsn,
-                event: entry.event,
-            });
-            if page.records.len() == limit {
-                return Err(PAGE_FULL.to_owned());
-            }
-        }
-        Ok(())
-    });
+    let _no_trim = live.usage_trim.read();
+    let mut outcome = replay_usage(live, after, limit, tenant.as_deref(), &mut page);
+    if let Err(WalError::Compacted { first, .. }) = outcome {
+        // Records before `first` were deleted (the usage log keeps its
+        // latest records): the page starts at the oldest one kept.
+        outcome = replay_usage(live, first - 1, limit, tenant.as_deref(), &mut page);
+    }
     if page.records.is_empty() {
         // HTTP-API.md: with no new records the cursor repeats.
         page.next_cursor = after;
@@ -1245,4 +1317,28 @@ fn read_usage(
         Err(WalError::Replay { message, .. }) if message == PAGE_FULL => Ok(page),
         Err(e) => Err(Unavailable(format!("usage log: {e}"))),
     }
+}
+
+/// Adds the usage records after `after` to `page` until it holds `limit`.
+fn replay_usage(
+    live: &Live,
+    after: u64,
+    limit: usize,
+    tenant: Option<&str>,
+    page: &mut UsagePage,
+) -> Result<u64, WalError> {
+    live.usage_wal.replay(after, |lsn, bytes| {
+        let entry = record::decode_usage(bytes)?;
+        page.next_cursor = lsn;
+        if tenant.is_none_or(|t| entry.event.tenant() == Some(t)) {
+            page.records.push(UsageRecord {
+                cursor: lsn,
+                event: entry.event,
+            });
+            if page.records.len() == limit {
+                return Err(PAGE_FULL.to_owned());
+            }
+        }
+        Ok(())
+    })
 }

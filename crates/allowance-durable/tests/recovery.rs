@@ -1088,3 +1088,162 @@ fn decided_reserves_are_durable_once_awaited() {
         store.close().await.expect("close");
     });
 }
+
+/// A store whose usage log keeps its latest `keep` records, in segments of
+/// 2 KiB (about twenty records each), with snapshots only when asked.
+async fn open_trimming(
+    dir: &Path,
+    fs: &Arc<dyn FileSystem>,
+    clock: &Arc<ManualClock>,
+    ids: &Arc<SeededIds>,
+    keep: u64,
+) -> DurableStore {
+    let mut opts = DurableOptions::new(dir);
+    opts.snapshot_every_records = u64::MAX;
+    opts.usage_keep_records = keep;
+    opts.usage_segment_bytes = 2048;
+    opts.wal.fsync = Fsync::Always;
+    DurableStore::open(
+        catalogs::standard(),
+        opts,
+        fs.clone(),
+        clock.clone(),
+        ids.clone(),
+        |_| {},
+    )
+    .await
+    .expect("open")
+    .0
+}
+
+/// The first lsns of the usage log's segments, ascending.
+fn usage_segments(dir: &Path) -> Vec<u64> {
+    let mut firsts: Vec<u64> = std::fs::read_dir(dir.join("usage"))
+        .expect("usage dir")
+        .filter_map(|e| {
+            let name = e.expect("entry").file_name().into_string().ok()?;
+            name.strip_suffix(".wal")?.parse().ok()
+        })
+        .collect();
+    firsts.sort_unstable();
+    firsts
+}
+
+/// `n` reserve + refund pairs of tenant-only requests: `n` usage records.
+async fn refund_pairs(store: &DurableStore, from: u64, n: u64) {
+    let catalog = catalogs::standard();
+    for i in from..from + n {
+        let id = store
+            .reserve(&tenant_only(&catalog, i, 1))
+            .await
+            .expect("reserve")
+            .id;
+        store.refund(id).await.expect("refund");
+    }
+}
+
+/// The usage log keeps its latest records: a snapshot deletes the usage
+/// segments older than them (the log no longer grows without bound); what
+/// is kept is exactly the newest part of what was there, cursors
+/// unchanged; a cursor from before it reads on from the oldest kept; and a
+/// restart finds the same records and continues their cursors.
+#[test]
+fn the_usage_log_keeps_its_latest_records() {
+    let rt = runtime();
+    rt.block_on(async {
+        let (dir, clock, ids, fs) = setup(61);
+        let store = open_trimming(dir.path(), &fs, &clock, &ids, 50).await;
+        refund_pairs(&store, 0, 400).await;
+        let before = usage_log(&store).await;
+        assert_eq!(before.len(), 400);
+        let segments_before = usage_segments(dir.path()).len();
+        assert!(segments_before > 10, "{segments_before} segments");
+
+        tokio::task::block_in_place(|| store.snapshot_now()).expect("snapshot");
+        let kept = usage_log(&store).await;
+        assert!(
+            (50..80).contains(&kept.len()),
+            "{} records kept, 50 asked (whole segments go)",
+            kept.len()
+        );
+        assert_eq!(kept[..], before[before.len() - kept.len()..]);
+        assert!(usage_segments(dir.path()).len() < 10);
+        // Any cursor before the oldest kept, or none, starts there.
+        for since in [None, Some(0), Some(1), Some(kept[0].cursor - 1)] {
+            let page = store.usage(since, 5, None).await.expect("usage");
+            assert_eq!(page.records[..], kept[..5], "since {since:?}");
+        }
+        // A tenant's view is trimmed alike.
+        let tenant = kept[0].event.tenant().expect("a tenant").to_owned();
+        let page = store.usage(Some(1), 1, Some(&tenant)).await.expect("usage");
+        assert_eq!(page.records[0], kept[0]);
+
+        store.close().await.expect("close");
+        let store = open_trimming(dir.path(), &fs, &clock, &ids, 50).await;
+        assert_eq!(usage_log(&store).await, kept);
+        refund_pairs(&store, 400, 3).await;
+        let log = usage_log(&store).await;
+        let cursors: Vec<u64> = log[log.len() - 3..].iter().map(|r| r.cursor).collect();
+        assert_eq!(cursors, [401, 402, 403]);
+        // Trimming again keeps the latest again.
+        tokio::task::block_in_place(|| store.snapshot_now()).expect("snapshot");
+        let log = usage_log(&store).await;
+        assert_eq!(log.last().expect("records").cursor, 403);
+        assert!(log.len() >= 50 && log[0].cursor >= kept[0].cursor);
+        assert!(log.windows(2).all(|w| w[1].cursor == w[0].cursor + 1));
+        store.close().await.expect("close");
+    });
+}
+
+/// A usage log that lost every record after its last trim (damage: they
+/// were synced) still opens: the trim's snapshot says how far it had come
+/// in the main log, and the events of the main records after that are
+/// regenerated.
+#[test]
+fn a_usage_log_trimmed_to_a_segment_boundary_and_cut_still_opens() {
+    let rt = runtime();
+    rt.block_on(async {
+        let (dir, clock, ids, fs) = setup(62);
+        let store = open_trimming(dir.path(), &fs, &clock, &ids, u64::MAX).await;
+        refund_pairs(&store, 0, 100).await;
+        let all = usage_log(&store).await;
+        store.close().await.expect("close");
+        // Keep exactly the records of the last segment: the trim then ends
+        // where that segment starts.
+        let last_first = *usage_segments(dir.path()).last().expect("segments");
+        let keep = 100 - (last_first - 1);
+        let store = open_trimming(dir.path(), &fs, &clock, &ids, keep).await;
+        tokio::task::block_in_place(|| store.snapshot_now()).expect("snapshot");
+        assert_eq!(usage_segments(dir.path()), [last_first]);
+        refund_pairs(&store, 100, 5).await;
+        let before = usage_log(&store).await;
+        assert_eq!(before[..keep as usize], all[all.len() - keep as usize..]);
+        store.close().await.expect("close");
+
+        // Every record after the trim lost.
+        for first in usage_segments(dir.path()) {
+            let path = dir.path().join("usage").join(format!("{first:020}.wal"));
+            if first == last_first {
+                let f = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&path)
+                    .expect("open");
+                f.set_len(8).expect("cut to the header");
+            } else {
+                std::fs::remove_file(&path).expect("remove");
+            }
+        }
+        let store = open_trimming(dir.path(), &fs, &clock, &ids, keep).await;
+        let after = usage_log(&store).await;
+        // The main log kept the last five pairs (after its snapshot): their
+        // refunds come back, numbered on from the trim.
+        let events: Vec<_> = after.iter().map(|r| r.event.clone()).collect();
+        let expected: Vec<_> = before[before.len() - 5..]
+            .iter()
+            .map(|r| r.event.clone())
+            .collect();
+        assert_eq!(events, expected);
+        assert_eq!(after[0].cursor, last_first);
+        store.close().await.expect("close");
+    });
+}
