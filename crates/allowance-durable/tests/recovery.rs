@@ -171,7 +171,37 @@ async fn open_store_segmented(
     clock: &Arc<ManualClock>,
     ids: &Arc<SeededIds>,
 ) -> Result<(DurableStore, OpenReport), OpenError> {
+    open_store_keeping(
+        dir,
+        fs,
+        shards,
+        snapshot_every,
+        segment_bytes,
+        None,
+        clock,
+        ids,
+    )
+    .await
+}
+
+/// [`open_store_segmented`], and with `usage_keep` the usage log keeps
+/// that many records, in segments of `segment_bytes` too.
+#[allow(clippy::too_many_arguments, reason = "a test helper's knobs")]
+async fn open_store_keeping(
+    dir: &Path,
+    fs: Arc<dyn FileSystem>,
+    shards: usize,
+    snapshot_every: u64,
+    segment_bytes: u64,
+    usage_keep: Option<u64>,
+    clock: &Arc<ManualClock>,
+    ids: &Arc<SeededIds>,
+) -> Result<(DurableStore, OpenReport), OpenError> {
     let mut opts = DurableOptions::new(dir);
+    if let Some(keep) = usage_keep {
+        opts.usage_keep_records = keep;
+        opts.usage_segment_bytes = segment_bytes;
+    }
     opts.wal.segment_bytes = segment_bytes;
     opts.shards = shards;
     opts.snapshot_every_records = snapshot_every;
@@ -241,23 +271,26 @@ async fn write_pairs(
 /// [`open_store`], waiting (up to 20 s) while the dir is still held: by a
 /// store being replaced, or by a snapshot finishing in the background after
 /// a store was dropped as a crash would drop it.
+#[allow(clippy::too_many_arguments, reason = "a test helper's knobs")]
 async fn open_when_free(
     dir: &Path,
     fs: Arc<dyn FileSystem>,
     shards: usize,
     snapshot_every: u64,
     segment_bytes: u64,
+    usage_keep: Option<u64>,
     clock: &Arc<ManualClock>,
     ids: &Arc<SeededIds>,
 ) -> Result<(DurableStore, OpenReport), OpenError> {
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     loop {
-        match open_store_segmented(
+        match open_store_keeping(
             dir,
             fs.clone(),
             shards,
             snapshot_every,
             segment_bytes,
+            usage_keep,
             clock,
             ids,
         )
@@ -418,7 +451,9 @@ proptest! {
 
     /// For random histories (reopened now and then, snapshots every few
     /// records), the ledger rebuilt from snapshot + log answers exactly as
-    /// the live one did: every scope's limits, every reservation.
+    /// the live one did: every scope's limits, every reservation; and the
+    /// usage log is the same where both still keep it (some histories trim
+    /// it to a few records at every snapshot).
     #[test]
     fn rebuilt_equals_live(
         ops in proptest::collection::vec(op(), 1..60),
@@ -427,18 +462,19 @@ proptest! {
         // Small segments: the log rolls, snapshots delete whole segments,
         // and a reopen's replay checks the finished ones.
         segment_bytes in prop_oneof![Just(SEGMENT_BYTES), 512u64..4096],
+        usage_keep in prop_oneof![Just(None), (1u64..20).prop_map(Some)],
     ) {
         let rt = runtime();
         rt.block_on(async {
             let (dir, clock, ids, fs) = setup(42);
-            let (mut store, _) = open_store_segmented(dir.path(), fs.clone(), shards, snapshot_every, segment_bytes, &clock, &ids)
+            let (mut store, _) = open_store_keeping(dir.path(), fs.clone(), shards, snapshot_every, segment_bytes, usage_keep, &clock, &ids)
                 .await
                 .expect("open");
             // A reopen mid-history: `run` closes the old store first (one
             // process per data dir).
             let mut reopen = async || {
                 let (s, report) =
-                    open_when_free(dir.path(), fs.clone(), shards, snapshot_every, segment_bytes, &clock, &ids)
+                    open_when_free(dir.path(), fs.clone(), shards, snapshot_every, segment_bytes, usage_keep, &clock, &ids)
                         .await
                         .expect("reopen");
                 assert!(report.divergences.is_empty(), "{:?}", report.divergences);
@@ -461,11 +497,16 @@ proptest! {
             // reported expiries the last reads observed (a tick): those may
             // follow, nothing else.
             let rebuilt_usage = usage_log(&rebuilt).await;
+            // Where both still keep records (a trim may have run in either).
+            let from = live_usage.first().zip(rebuilt_usage.first()).map_or(0, |(a, b)| a.cursor.max(b.cursor));
+            let live_usage: Vec<_> = live_usage.into_iter().filter(|r| r.cursor >= from).collect();
+            let rebuilt_usage: Vec<_> = rebuilt_usage.into_iter().filter(|r| r.cursor >= from).collect();
             prop_assert!(rebuilt_usage.len() >= live_usage.len());
             prop_assert_eq!(&live_usage[..], &rebuilt_usage[..live_usage.len()]);
             prop_assert!(rebuilt_usage[live_usage.len()..]
                 .iter()
                 .all(|r| r.event.kind == allowance_core::UsageKind::Expired));
+            prop_assert!(rebuilt_usage.windows(2).all(|w| w[1].cursor == w[0].cursor + 1));
             assert_each_end_once(&rebuilt_usage);
             rebuilt.with_ledger(|l| l.check_invariants(clock.now())).expect("serving").expect("invariants");
             Ok(())
@@ -702,10 +743,18 @@ fn faults_then_power_loss(lose_power: impl Fn(&FaultyFs)) {
         faulty.recover();
         // A snapshot still finishing in the background holds the dir a
         // moment longer (a real power loss would not wait for it).
-        let (store, report) =
-            open_when_free(dir.path(), fs.clone(), 4, 25, SEGMENT_BYTES, &clock, &ids)
-                .await
-                .expect("reopen after the power loss");
+        let (store, report) = open_when_free(
+            dir.path(),
+            fs.clone(),
+            4,
+            25,
+            SEGMENT_BYTES,
+            None,
+            &clock,
+            &ids,
+        )
+        .await
+        .expect("reopen after the power loss");
         assert!(report.divergences.is_empty(), "{:?}", report.divergences);
         for (id, answer) in &acked.settled {
             let now = store
