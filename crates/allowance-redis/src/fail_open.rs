@@ -19,6 +19,12 @@
 //!   locally is answered locally while that reservation is still local, so
 //!   a retry during a flapping outage replays rather than admits twice.
 //!   `status`, `adjust`, the catalog, `usage` and `stats` are Redis's only.
+//! - **During an outage** — once Redis has failed a reserve, and until it
+//!   answers one (or the sweeper) again, a reserve gives it
+//!   [`OUTAGE_GRACE`] (100 ms) before answering locally, not the whole store
+//!   timeout: a hung Redis or a partition (connections that never answer)
+//!   would otherwise cost every reserve `timeout_ms`. A reserve given up on
+//!   this way may still be applied by Redis, as after a timeout (below).
 //! - **Reconciliation** — [`FailOpenLocal::reconcile`] imports every local
 //!   reservation that has ended (settled, refunded, or expired — expiry is
 //!   observed by the read) with [`RedisStore::import_ended`], idempotent by
@@ -71,6 +77,12 @@ const LOCAL_SHARDS: usize = 16;
 /// Most imports one [`FailOpenLocal::reconcile`] sends (concurrently); the
 /// next sweep takes the rest.
 const RECONCILE_BATCH: usize = 256;
+
+/// During an outage (since Redis failed a reserve, until it answers one or
+/// the sweeper again), how long a reserve gives Redis before it answers
+/// locally, instead of the whole store timeout: many times a healthy
+/// script's round trip, a fraction of the default 1 s timeout.
+pub const OUTAGE_GRACE: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// The local ledger and the catalog (Redis's, unscaled) it was built from.
 struct Local {
@@ -311,6 +323,17 @@ impl FailOpenLocal {
         req: &ReserveRequest,
         why: Option<&Unavailable>,
     ) -> Result<Granted, StoreError<ReserveError>> {
+        // The outage begins with Redis's failure, whatever the local
+        // ledger answers (a local denial too).
+        if let Some(e) = why
+            && !self.outage.swap(true, Ordering::Relaxed)
+        {
+            tracing::warn!(
+                error = %e,
+                fraction = self.fraction,
+                "Redis cannot answer: admitting locally against each limit's capacity × fraction (fail_open_local) until it does"
+            );
+        }
         if let Err(e) = self.ensure_local().await {
             tracing::error!(error = %e, "fail_open_local: no local ledger");
             return Err(StoreError::Unavailable(why.cloned().unwrap_or(e)));
@@ -344,15 +367,6 @@ impl FailOpenLocal {
             }
             g
         };
-        if let Some(e) = why
-            && !self.outage.swap(true, Ordering::Relaxed)
-        {
-            tracing::warn!(
-                error = %e,
-                fraction = self.fraction,
-                "Redis cannot answer: admitting locally against each limit's capacity × fraction (fail_open_local) until it does"
-            );
-        }
         Ok(granted)
     }
 
@@ -457,7 +471,21 @@ impl Store for FailOpenLocal {
         if self.is_local_key(req) {
             return self.reserve_local(req, None).await;
         }
-        match self.redis.reserve(req).await {
+        let answer = if self.outage.load(Ordering::Relaxed) {
+            // Redis failed and has not answered since: a hung server or a
+            // partition would cost every reserve the whole store timeout.
+            tokio::time::timeout(OUTAGE_GRACE, self.redis.reserve(req))
+                .await
+                .unwrap_or_else(|_| {
+                    Err(StoreError::Unavailable(Unavailable(format!(
+                        "Redis still not answering (within {} ms, during an outage)",
+                        OUTAGE_GRACE.as_millis()
+                    ))))
+                })
+        } else {
+            self.redis.reserve(req).await
+        };
+        match answer {
             Err(StoreError::Unavailable(e)) => self.reserve_local(req, Some(&e)).await,
             answer => {
                 self.redis_answered();

@@ -45,7 +45,7 @@ mod cross;
 mod fail_open;
 mod wire;
 
-pub use fail_open::FailOpenLocal;
+pub use fail_open::{FailOpenLocal, OUTAGE_GRACE};
 
 use std::borrow::Cow;
 use std::sync::Arc;

@@ -488,3 +488,48 @@ async fn a_local_late_settle_then_extend_settle_are_imported_once() {
     let st = fo.redis().status(&acme).await.unwrap();
     assert_eq!(st.limits[0].used, 80, "15 + 65: {st:?}");
 }
+
+/// During an outage a reserve does not wait out the store timeout again and
+/// again: once Redis has failed to answer, reserves give it only a short
+/// grace before answering locally, until it answers again — and then they go
+/// to Redis at once. The outage is a hung Redis (`SIGSTOP`: connections
+/// accepted, nothing answered), as a network partition looks; a killed one
+/// refuses connections at once. (The bound is generous: it tells a breaker
+/// from none, not speeds.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_redis_does_not_cost_every_reserve_the_timeout() {
+    let Some(()) = redis_available() else { return };
+    let server = RedisServer::start_with(aof());
+    let (fo, _clock) = store(&server).await;
+    let c = catalog();
+    fo.reserve(&request(&c, "acme", 1)).await.unwrap();
+
+    blocking(|| server.stop());
+    let mut slow = Vec::new();
+    for i in 0..15 {
+        let started = Instant::now();
+        fo.reserve(&request(&c, "acme", 1))
+            .await
+            .unwrap_or_else(|e| panic!("local reserve #{i}: {e:?}"));
+        if started.elapsed() >= Duration::from_millis(250) {
+            slow.push((i, started.elapsed()));
+        }
+    }
+    assert_eq!(fo.admitted_locally(), 15);
+    // The first finds the outage (it waits out the timeout); the rest give
+    // Redis only the grace.
+    assert!(
+        slow.iter().all(|&(i, _)| i == 0),
+        "reserves after the first waited ≥ 250 ms (the timeout is 500 ms, the grace {:?}): {slow:?}",
+        allowance_redis::OUTAGE_GRACE
+    );
+
+    blocking(|| server.cont());
+    until_redis_answers(&fo).await;
+    fo.reserve(&request(&c, "acme", 1)).await.unwrap();
+    assert_eq!(
+        fo.admitted_locally(),
+        15,
+        "Redis answers again: admitted there"
+    );
+}
