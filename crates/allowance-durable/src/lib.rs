@@ -59,5 +59,6 @@ mod store;
 
 pub use record::FORMAT_VERSION;
 pub use store::{
-    DEFAULT_SNAPSHOT_EVERY_RECORDS, DurableOptions, DurableStore, OpenError, OpenReport,
+    DEFAULT_SNAPSHOT_EVERY_RECORDS, DEFAULT_USAGE_KEEP_RECORDS, DEFAULT_USAGE_SEGMENT_BYTES,
+    DurableOptions, DurableStore, OpenError, OpenReport,
 };
