@@ -128,9 +128,10 @@ struct Live {
     /// they reach the usage log only once their record is durable, so the
     /// usage log never holds an event the main log could lose.
     pending_usage: Mutex<std::collections::VecDeque<(Lsn, Vec<UsageEvent>)>>,
-    /// Held (shared) by usage page reads, (exclusive) by the trim of the
-    /// usage log: a read never finds a segment deleted under it.
-    usage_trim: RwLock<()>,
+    /// Bumped before and after each trim of the usage log (odd while one
+    /// runs): a page read that failed while it changed is read again, as
+    /// a segment may have been deleted under it. (No lock across the I/O.)
+    usage_trims: AtomicU64,
     /// The configuration file's catalog the log last recorded.
     base: Arc<Catalog>,
     /// Admin changes in force, oldest first: what a new configuration file
@@ -802,7 +803,7 @@ fn recover(
         wal,
         usage_wal,
         pending_usage: Mutex::new(std::collections::VecDeque::new()),
-        usage_trim: RwLock::new(()),
+        usage_trims: AtomicU64::new(0),
         base: inner.config.clone(),
         overlay: Mutex::new(overlay),
         since_snapshot: AtomicU64::new(report.replayed),
@@ -924,7 +925,14 @@ fn trim_usage(live: &Live, keep: u64) -> Result<(), String> {
         return Ok(());
     }
     let through = synced - keep;
-    let _no_reader = live.usage_trim.write();
+    live.usage_trims.fetch_add(1, Ordering::AcqRel);
+    let trimmed = trim_usage_through(live, through);
+    live.usage_trims.fetch_add(1, Ordering::AcqRel);
+    trimmed
+}
+
+/// [`trim_usage`] of the records up to `through`.
+fn trim_usage_through(live: &Live, through: Lsn) -> Result<(), String> {
     let mut last_dropped = None;
     match live.usage_wal.replay(through - 1, |_, bytes| {
         last_dropped = Some(bytes.to_vec());
@@ -1301,13 +1309,31 @@ fn read_usage(
     if limit == 0 {
         return Ok(page);
     }
-    let _no_trim = live.usage_trim.read();
-    let mut outcome = replay_usage(live, after, limit, tenant.as_deref(), &mut page);
-    if let Err(WalError::Compacted { first, .. }) = outcome {
-        // Records before `first` were deleted (the usage log keeps its
-        // latest records): the page starts at the oldest one kept.
-        outcome = replay_usage(live, first - 1, limit, tenant.as_deref(), &mut page);
-    }
+    let mut attempts = 0;
+    let outcome = loop {
+        let trims = live.usage_trims.load(Ordering::Acquire);
+        page.records.clear();
+        page.next_cursor = after;
+        let mut outcome = replay_usage(live, after, limit, tenant.as_deref(), &mut page);
+        if let Err(WalError::Compacted { first, .. }) = outcome {
+            // Records before `first` were deleted (the usage log keeps its
+            // latest records): the page starts at the oldest one kept.
+            outcome = replay_usage(live, first - 1, limit, tenant.as_deref(), &mut page);
+        }
+        let failed = match &outcome {
+            Ok(_) => false,
+            Err(WalError::Replay { message, .. }) => message != PAGE_FULL,
+            Err(_) => true,
+        };
+        let trimmed_meanwhile = trims % 2 == 1 || live.usage_trims.load(Ordering::Acquire) != trims;
+        attempts += 1;
+        if failed && trimmed_meanwhile && attempts < 5 {
+            // A trim takes milliseconds: let it finish (a blocking thread).
+            std::thread::sleep(Duration::from_millis(1 << attempts));
+            continue;
+        }
+        break outcome;
+    };
     if page.records.is_empty() {
         // HTTP-API.md: with no new records the cursor repeats.
         page.next_cursor = after;

@@ -1296,3 +1296,42 @@ fn a_usage_log_trimmed_to_a_segment_boundary_and_cut_still_opens() {
         store.close().await.expect("close");
     });
 }
+
+/// Pages read while the usage log is trimmed under them never fail, and
+/// each is a run of consecutive records.
+#[test]
+fn usage_pages_read_while_the_log_is_trimmed() {
+    let rt = runtime();
+    rt.block_on(async {
+        let (dir, clock, ids, fs) = setup(63);
+        let store = Arc::new(open_trimming(dir.path(), &fs, &clock, &ids, 20).await);
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let reader = {
+            let (store, stop) = (store.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut reads = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let page = store.usage(None, 10_000, None).await.expect("a page");
+                    assert!(
+                        page.records
+                            .windows(2)
+                            .all(|w| w[1].cursor == w[0].cursor + 1)
+                    );
+                    reads += 1;
+                    tokio::task::yield_now().await;
+                }
+                reads
+            })
+        };
+        for round in 0..10 {
+            refund_pairs(&store, round * 30, 30).await;
+            tokio::task::block_in_place(|| store.snapshot_now()).expect("snapshot");
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let reads = reader.await.expect("the reader");
+        assert!(reads > 0);
+        let log = usage_log(&store).await;
+        assert_eq!(log.last().expect("records").cursor, 300);
+        assert!(log.len() < 60, "{} records kept, 20 asked", log.len());
+    });
+}
