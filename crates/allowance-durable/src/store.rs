@@ -849,8 +849,8 @@ fn last_usage(usage_wal: &Wal) -> Result<(Lsn, Option<u32>), OpenError> {
         Ok(())
     }) {
         Ok(_) => Ok(found),
-        // No record after the last trim survived (a power loss right after
-        // it): the trim's snapshot is that last record (see `trim_usage`).
+        // No record after the last trim survived (damage: they were
+        // synced): the trim's snapshot is that last record (`trim_usage`).
         Err(WalError::Compacted { .. }) => {
             let Some((lsn, bytes)) = usage_wal.latest_snapshot()? else {
                 return Ok(found);
@@ -911,13 +911,14 @@ fn write_snapshot(live: &Live, now: Timestamp, keep_usage: u64) -> Result<Lsn, S
 }
 
 /// Deletes the usage log's segments whose records are all older than its
-/// latest `keep` records. The usage log has no snapshot of its own: an
-/// empty one marks where it now starts, which is what lets it open again
-/// without the records before (and deletes the covered segments).
+/// latest `keep` records. The usage log has no state to snapshot: a
+/// snapshot of it only marks where it now starts, which is what lets it open
+/// again without the records before (writing it deletes the covered
+/// segments).
 ///
-/// The snapshot holds the record at its lsn: should a power loss take every
-/// record after it, a start-up still knows how far the usage log had come
-/// in the main log (`last_usage`).
+/// That snapshot holds the record at its lsn: should every record after it
+/// be lost (damage: they were synced), a start-up still knows how far the
+/// usage log had come in the main log (`last_usage`).
 fn trim_usage(live: &Live, keep: u64) -> Result<(), String> {
     let synced = live.usage_wal.durable_lsn();
     let keep = keep.max(1);
