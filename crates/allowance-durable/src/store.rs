@@ -842,29 +842,52 @@ fn last_usage(usage_wal: &Wal) -> Result<(Lsn, Option<u32>), OpenError> {
     if last == 0 {
         return Ok((0, None));
     }
-    let mut found = (0, None);
-    match usage_wal.replay(last - 1, |_, bytes| {
+    let at = |bytes: &[u8]| {
         let entry = record::decode_usage(bytes)?;
-        found = (entry.main_lsn, Some(entry.index));
-        Ok(())
-    }) {
-        Ok(_) => Ok(found),
+        Ok((entry.main_lsn, Some(entry.index)))
+    };
+    match usage_record(usage_wal, last, at) {
+        Ok(found) => Ok(found.unwrap_or((0, None))),
         // No record after the last trim survived (damage: they were
         // synced): the trim's snapshot is that last record (`trim_usage`).
         Err(WalError::Compacted { .. }) => {
             let Some((lsn, bytes)) = usage_wal.latest_snapshot()? else {
-                return Ok(found);
+                return Ok((0, None));
             };
-            let entry = record::decode_usage(&bytes).map_err(|message| OpenError::Snapshot {
+            at(&bytes).map_err(|message| OpenError::Snapshot {
                 lsn,
                 dir: usage_wal.dir().display().to_string(),
                 message,
-            })?;
-            Ok((entry.main_lsn, Some(entry.index)))
+            })
         }
         Err(e) => Err(e.into()),
     }
 }
+
+/// `f` of the usage record at `lsn` (`None`: not written yet), read alone.
+fn usage_record<T>(
+    usage_wal: &Wal,
+    lsn: Lsn,
+    f: impl FnOnce(&[u8]) -> Result<T, String>,
+) -> Result<Option<T>, WalError> {
+    let mut f = Some(f);
+    let mut found = None;
+    let read = usage_wal.replay(lsn - 1, |_, bytes| {
+        if let Some(f) = f.take() {
+            found = Some(f(bytes)?);
+        }
+        Err(STOP_REPLAY.to_owned())
+    });
+    match read {
+        Ok(_) => Ok(found),
+        Err(WalError::Replay { message, .. }) if message == STOP_REPLAY => Ok(found),
+        Err(e) => Err(e),
+    }
+}
+
+/// What a replay callback answers to stop a replay that has read enough
+/// (not an error).
+const STOP_REPLAY: &str = "stop: read enough";
 
 /// Two catalogs are the same configuration when they encode the same.
 fn same_catalog(a: &Catalog, b: &Catalog) -> bool {
@@ -934,20 +957,14 @@ fn trim_usage(live: &Live, keep: u64) -> Result<(), String> {
 
 /// [`trim_usage`] of the records up to `through`.
 fn trim_usage_through(live: &Live, through: Lsn) -> Result<(), String> {
-    let mut last_dropped = None;
-    match live.usage_wal.replay(through - 1, |_, bytes| {
-        last_dropped = Some(bytes.to_vec());
-        Err(PAGE_FULL.to_owned())
-    }) {
-        Err(WalError::Replay { message, .. }) if message == PAGE_FULL => {}
+    let last_dropped = match usage_record(&live.usage_wal, through, |b| Ok(b.to_vec())) {
+        Ok(bytes) => bytes.ok_or_else(|| format!("usage record {through} not written"))?,
         // Trimmed this far already.
         Err(WalError::Compacted { .. }) => return Ok(()),
         Err(e) => return Err(e.to_string()),
-        Ok(_) => {}
-    }
-    let bytes = last_dropped.ok_or_else(|| format!("usage record {through} not found"))?;
+    };
     live.usage_wal
-        .write_snapshot(through, &bytes)
+        .write_snapshot(through, &last_dropped)
         .map_err(|e| e.to_string())
 }
 
@@ -1293,9 +1310,6 @@ impl Store for DurableStore {
     }
 }
 
-/// Marks the end of a page inside a replay (not an error).
-const PAGE_FULL: &str = "page full";
-
 /// Reads one page of the usage log from disk.
 fn read_usage(
     live: &Live,
@@ -1321,14 +1335,9 @@ fn read_usage(
             // latest records): the page starts at the oldest one kept.
             outcome = replay_usage(live, first - 1, limit, tenant.as_deref(), &mut page);
         }
-        let failed = match &outcome {
-            Ok(_) => false,
-            Err(WalError::Replay { message, .. }) => message != PAGE_FULL,
-            Err(_) => true,
-        };
         let trimmed_meanwhile = trims % 2 == 1 || live.usage_trims.load(Ordering::Acquire) != trims;
         attempts += 1;
-        if failed && trimmed_meanwhile && attempts < 5 {
+        if outcome.is_err() && trimmed_meanwhile && attempts < 5 {
             // A trim takes milliseconds: let it finish (a blocking thread).
             std::thread::sleep(Duration::from_millis(1 << attempts));
             continue;
@@ -1339,11 +1348,9 @@ fn read_usage(
         // HTTP-API.md: with no new records the cursor repeats.
         page.next_cursor = after;
     }
-    match outcome {
-        Ok(_) => Ok(page),
-        Err(WalError::Replay { message, .. }) if message == PAGE_FULL => Ok(page),
-        Err(e) => Err(Unavailable(format!("usage log: {e}"))),
-    }
+    outcome
+        .map(|()| page)
+        .map_err(|e| Unavailable(format!("usage log: {e}")))
 }
 
 /// Adds the usage records after `after` to `page` until it holds `limit`.
@@ -1353,8 +1360,8 @@ fn replay_usage(
     limit: usize,
     tenant: Option<&str>,
     page: &mut UsagePage,
-) -> Result<u64, WalError> {
-    live.usage_wal.replay(after, |lsn, bytes| {
+) -> Result<(), WalError> {
+    let read = live.usage_wal.replay(after, |lsn, bytes| {
         let entry = record::decode_usage(bytes)?;
         page.next_cursor = lsn;
         if tenant.is_none_or(|t| entry.event.tenant() == Some(t)) {
@@ -1363,9 +1370,14 @@ fn replay_usage(
                 event: entry.event,
             });
             if page.records.len() == limit {
-                return Err(PAGE_FULL.to_owned());
+                return Err(STOP_REPLAY.to_owned());
             }
         }
         Ok(())
-    })
+    });
+    match read {
+        Ok(_) => Ok(()),
+        Err(WalError::Replay { message, .. }) if message == STOP_REPLAY => Ok(()),
+        Err(e) => Err(e),
+    }
 }
