@@ -221,9 +221,28 @@ async fn connect_redis(config: &Config, clock: Arc<SystemClock>) -> anyhow::Resu
         .context("store.url is required for the redis store")?;
     let mut options = RedisOptions::new(url.clone());
     options.timeout_ms = config.store.timeout_ms;
-    let store = RedisStore::connect(options, config.catalog.clone(), None, Arc::new(RandomIds))
-        .await
-        .context("cannot start the redis store")?;
+    let catalog = config.catalog.clone();
+    let store = match config.store.on_error {
+        // Fails loudly at start: a wrong URL or password is found now, not
+        // by the first request.
+        OnError::FailClosed => RedisStore::connect(options, catalog, None, Arc::new(RandomIds))
+            .await
+            .context("cannot start the redis store")?,
+        // Starts without Redis too: this policy answers during an outage,
+        // and a restart during one must not stop the service.
+        OnError::FailOpenLocal => {
+            let later = RedisStore::connect_later(options, catalog, None, Arc::new(RandomIds))
+                .context("cannot start the redis store")?;
+            if let Err(e) = later.connect_now().await {
+                tracing::error!(
+                    url = %redact(&url),
+                    error = %e,
+                    "Redis cannot be reached: starting anyway (on_error = \"fail_open_local\"), admitting locally until the sweeper connects"
+                );
+            }
+            later
+        }
+    };
     tracing::info!(url = %redact(&url), prefix = store.prefix(), "store: redis");
     match config.store.on_error {
         OnError::FailClosed => {

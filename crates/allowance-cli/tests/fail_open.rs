@@ -254,3 +254,93 @@ async fn a_frozen_redis_fails_open_within_the_store_timeout() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// Started while Redis is down: under `fail_closed` the server refuses to
+/// start and says why (a wrong address is found at once, not by the first
+/// request); under `fail_open_local` it starts, admits locally, and once
+/// Redis comes its sweeper connects and brings in what was settled
+/// meanwhile — a restart during an outage does not take the service down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_open_local_starts_while_redis_is_down() {
+    let Some(()) = redis_available() else { return };
+    let mut redis = RedisServer::start_with(RedisOptions {
+        appendonly: true,
+        appendfsync: "always",
+        ..Default::default()
+    });
+    let url = redis.url();
+    tokio::task::block_in_place(|| redis.kill9());
+
+    let closed = format!(
+        "{CONFIG}\n[store]\nkind = \"redis\"\nurl = \"{url}\"\ntimeout_ms = 500\non_error = \"fail_closed\"\n"
+    );
+    let (_closed_dir, closed) = config_file(&closed);
+    let closed = closed.to_string_lossy().to_string();
+    match serve_until_exit(
+        &["--listen", "127.0.0.1:0", "--config", &closed],
+        Duration::from_secs(30),
+    ) {
+        Startup::Exited { status, stderr } => {
+            assert!(!status.success(), "{stderr}");
+            assert!(
+                stderr.contains("cannot start the redis store")
+                    && stderr.contains("cannot reach Redis"),
+                "the error should say Redis cannot be reached:\n{stderr}"
+            );
+        }
+        other => panic!("fail_closed should refuse to start without Redis: {other:?}"),
+    }
+
+    let open = format!(
+        "{CONFIG}\n[store]\nkind = \"redis\"\nurl = \"{url}\"\ntimeout_ms = 500\non_error = \"fail_open_local\"\n"
+    );
+    let (_open_dir, open) = config_file(&open);
+    let open = open.to_string_lossy().to_string();
+    let s = Server::serve_args(&["--listen", "127.0.0.1:0", "--config", &open]);
+    assert!(
+        s.log_text().contains("starting anyway"),
+        "the start without Redis is logged:\n{}",
+        s.log_text()
+    );
+    let r = s
+        .post("/v1/reservations", None, &reserve_body(30))
+        .await
+        .expect(201);
+    let id = r.json["id"].as_str().unwrap().to_string();
+    s.post(
+        &format!("/v1/reservations/{id}/settle"),
+        None,
+        &json!({"usage": {"tokens": 20}}),
+    )
+    .await
+    .expect(200);
+    // Scope status is Redis's only, and the store is not ready.
+    assert_eq!(tokens_used(&s).await, None);
+    assert_eq!(s.get("/readyz", None).await.status, 503);
+    let denied = s
+        .post("/v1/reservations", None, &reserve_body(100))
+        .await
+        .expect(429);
+    assert_eq!(denied.json["error"]["capacity"], 100, "{}", denied.json);
+
+    tokio::task::block_in_place(|| redis.restart());
+    let deadline = Instant::now() + RECONCILE_BOUND;
+    loop {
+        let used = tokens_used(&s).await;
+        if used == Some((20, 0)) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not connected and reconciled within {RECONCILE_BOUND:?}: {used:?}\n{}",
+            s.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    s.get("/readyz", None).await.expect(200);
+    // Redis admits from now on: the full 1,000 tokens, not the local 100.
+    s.post("/v1/reservations", None, &reserve_body(500))
+        .await
+        .expect(201);
+    assert_eq!(tokens_used(&s).await, Some((20, 500)));
+}

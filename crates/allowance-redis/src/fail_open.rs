@@ -52,6 +52,12 @@
 //!   and never reach the ledger. `fail_open_local` trades that guarantee
 //!   for availability during an outage; `fail_closed` keeps it.
 //!
+//! - **Starting without Redis** — over a store made by
+//!   [`RedisStore::connect_later`] (what `allowance serve` does under this
+//!   policy when Redis cannot be reached at start), every reserve is local
+//!   until the sweeper's [`Store::expire_due`] connects; the local ledger
+//!   uses the configured catalog until then.
+//!
 //! A call that timed out may still have been applied by Redis: a reserve
 //! admitted locally after such a timeout may then also hold in Redis until
 //! its TTL — the outage errs towards counting too much, never too little.

@@ -179,7 +179,10 @@ pub struct RedisStore {
     /// Swapped when Sentinel names a new master; cloned out for each call
     /// (never held across one).
     conn: parking_lot::RwLock<Conn>,
-    cluster: bool,
+    /// Set before a cluster connection is installed (never unset).
+    cluster: std::sync::atomic::AtomicBool,
+    /// A [`connect_now`](RedisStore::connect_now) is dialing.
+    dialing: std::sync::atomic::AtomicBool,
     /// Where the master is found again after a failover (Sentinel only).
     sentinel: Option<SentinelSource>,
     /// How a Sentinel-named master is connected to (timeouts).
@@ -216,6 +219,19 @@ enum Conn {
     /// to go (`after_failure`), and redis-rs checks the ROLE of what they name.
     Sentinel(MultiplexedConnection),
     Cluster(redis::cluster_async::ClusterConnection),
+    /// Not connected yet ([`RedisStore::connect_later`] while Redis could
+    /// not be reached): every call fails at once, as a connection refused
+    /// would, until [`RedisStore::connect_now`] succeeds.
+    Down,
+}
+
+/// What a call on [`Conn::Down`] answers: an I/O error, like a refused
+/// connection, so every caller treats it as Redis being unreachable.
+fn not_connected() -> redis::RedisError {
+    redis::RedisError::from(std::io::Error::new(
+        std::io::ErrorKind::NotConnected,
+        "not connected yet (Redis was unreachable when this instance started)",
+    ))
 }
 
 impl redis::aio::ConnectionLike for Conn {
@@ -227,6 +243,7 @@ impl redis::aio::ConnectionLike for Conn {
             Conn::Single(c) => c.req_packed_command(cmd),
             Conn::Sentinel(c) => c.req_packed_command(cmd),
             Conn::Cluster(c) => c.req_packed_command(cmd),
+            Conn::Down => Box::pin(async { Err(not_connected()) }),
         }
     }
 
@@ -240,6 +257,7 @@ impl redis::aio::ConnectionLike for Conn {
             Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
             Conn::Sentinel(c) => c.req_packed_commands(pipeline, offset, count),
             Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Down => Box::pin(async { Err(not_connected()) }),
         }
     }
 
@@ -248,6 +266,7 @@ impl redis::aio::ConnectionLike for Conn {
             Conn::Single(c) => c.get_db(),
             Conn::Sentinel(c) => c.get_db(),
             Conn::Cluster(c) => c.get_db(),
+            Conn::Down => 0,
         }
     }
 }
@@ -340,7 +359,52 @@ impl RedisStore {
     /// Connects, and catches up with the admin changes other instances
     /// made. `catalog` is the configuration (every instance should load the
     /// same); `clock` replaces the Redis server's time when given (tests).
+    /// Fails if Redis cannot be reached within `options.timeout_ms`.
     pub async fn connect(
+        options: RedisOptions,
+        catalog: Catalog,
+        clock: Option<Arc<dyn Clock>>,
+        ids: Arc<dyn IdSource>,
+    ) -> Result<RedisStore, ConnectError> {
+        let store = RedisStore::connect_later(options, catalog, clock, ids)?;
+        let conn = store.dial().await?;
+        store.install(conn);
+        store
+            .catch_up()
+            .await
+            .map_err(|e| ConnectError::Unreachable {
+                url: store.url.clone(),
+                why: e.0,
+            })?;
+        Ok(store)
+    }
+
+    /// A store that is not connected yet: only the URL is checked. Every
+    /// call answers [`Unavailable`] at once until
+    /// [`connect_now`](RedisStore::connect_now) succeeds, which
+    /// [`expire_due`](Store::expire_due) (the server's sweeper) tries
+    /// first. For a process that must start while Redis is down
+    /// (`on_error = "fail_open_local"`); it runs on the configured catalog
+    /// until it connects and catches up.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use allowance_core::{Catalog, SeededIds, Store};
+    /// # use allowance_redis::{RedisOptions, RedisStore};
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// // Nothing listens on port 1: the store still starts.
+    /// let store = RedisStore::connect_later(
+    ///     RedisOptions::new("redis://127.0.0.1:1"),
+    ///     Catalog::default(),
+    ///     None,
+    ///     Arc::new(SeededIds::new(7)),
+    /// )
+    /// .unwrap();
+    /// assert!(!store.is_connected());
+    /// assert!(store.stats().await.is_err());
+    /// # }
+    /// ```
+    pub fn connect_later(
         options: RedisOptions,
         catalog: Catalog,
         clock: Option<Arc<dyn Clock>>,
@@ -350,78 +414,21 @@ impl RedisStore {
         // error only says one is installed already.)
         let _ = rustls::crypto::ring::default_provider().install_default();
         let timeout = Duration::from_millis(options.timeout_ms.max(1));
-        let unreachable = |why: String| ConnectError::Unreachable {
-            url: options.url.clone(),
-            why,
-        };
         let sentinel = SentinelSource::parse(&options.url)?;
-        let client = match &sentinel {
-            Some(source) => tokio::time::timeout(timeout * 2, source.master())
-                .await
-                .map_err(|_| unreachable("the sentinels did not answer in time".into()))?
-                .map_err(|e| unreachable(e.to_string()))?,
-            None => redis::Client::open(options.url.as_str())
-                .map_err(|e| ConnectError::Url(e.to_string()))?,
-        };
-        let direct = redis::AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(timeout))
-            .set_response_timeout(Some(timeout));
-        let no_answer = || unreachable(format!("no answer within {} ms", timeout.as_millis()));
-        let conn = if sentinel.is_some() {
-            // A master Sentinel names is never a cluster node.
-            let c = tokio::time::timeout(
-                timeout,
-                client.get_multiplexed_async_connection_with_config(&direct),
-            )
-            .await
-            .map_err(|_| no_answer())?
-            .map_err(|e| unreachable(e.to_string()))?;
-            Conn::Sentinel(c)
-        } else {
-            let config = ConnectionManagerConfig::new()
-                .set_connection_timeout(Some(timeout))
-                .set_response_timeout(Some(timeout))
-                .set_number_of_retries(1)
-                .set_min_delay(Duration::from_millis(5))
-                .set_max_delay(Duration::from_millis(50));
-            let single =
-                tokio::time::timeout(timeout, ConnectionManager::new_with_config(client, config))
-                    .await
-                    .map_err(|_| no_answer())?
-                    .map_err(|e| unreachable(e.to_string()))?;
-            // A cluster node says so; the cluster client then finds the others.
-            let info: String = tokio::time::timeout(
-                timeout,
-                redis::cmd("INFO")
-                    .arg("cluster")
-                    .query_async(&mut single.clone()),
-            )
-            .await
-            .map_err(|_| no_answer())?
-            .map_err(|e| unreachable(e.to_string()))?;
-            if info.lines().any(|l| l.trim() == "cluster_enabled:1") {
-                let client = redis::cluster::ClusterClient::builder(vec![options.url.as_str()])
-                    .connection_timeout(timeout)
-                    .response_timeout(timeout)
-                    .build()
-                    .map_err(|e| ConnectError::Url(e.to_string()))?;
-                let c = tokio::time::timeout(timeout * 5, client.get_async_connection())
-                    .await
-                    .map_err(|_| unreachable("the cluster did not answer in time".into()))?
-                    .map_err(|e| unreachable(e.to_string()))?;
-                Conn::Cluster(c)
-            } else {
-                Conn::Single(single)
-            }
-        };
-        let cluster = matches!(conn, Conn::Cluster(_));
-        let store = RedisStore {
-            conn: parking_lot::RwLock::new(conn),
-            cluster,
+        if sentinel.is_none() {
+            redis::Client::open(options.url.as_str())
+                .map_err(|e| ConnectError::Url(e.to_string()))?;
+        }
+        Ok(RedisStore {
+            conn: parking_lot::RwLock::new(Conn::Down),
+            cluster: std::sync::atomic::AtomicBool::new(false),
+            dialing: std::sync::atomic::AtomicBool::new(false),
             sentinel,
-            direct,
+            direct: redis::AsyncConnectionConfig::new()
+                .set_connection_timeout(Some(timeout))
+                .set_response_timeout(Some(timeout)),
             resolved_at_ms: std::sync::atomic::AtomicU64::new(wall_ms()),
-            url: options.url.clone(),
+            url: options.url,
             ledger: LedgerFunction::new(),
             prefix: options.prefix,
             clock,
@@ -433,9 +440,125 @@ impl RedisStore {
             timeout,
             usage_max: options.usage_max_records.max(1),
             recent: parking_lot::Mutex::default(),
+        })
+    }
+
+    /// Whether a connection is established (it then re-establishes itself
+    /// after a failure; only [`connect_later`](RedisStore::connect_later)
+    /// makes a store that has none).
+    pub fn is_connected(&self) -> bool {
+        !matches!(*self.conn.read(), Conn::Down)
+    }
+
+    /// Connects a store made by [`connect_later`](RedisStore::connect_later)
+    /// and catches up with the admin changes kept in Redis; does nothing
+    /// once connected. One attempt at a time: a call while another is
+    /// dialing answers [`Unavailable`] at once.
+    pub async fn connect_now(&self) -> Result<(), Unavailable> {
+        use std::sync::atomic::Ordering;
+        if self.is_connected() {
+            return Ok(());
+        }
+        if self.dialing.swap(true, Ordering::AcqRel) {
+            return Err(Unavailable("redis: still connecting".into()));
+        }
+        struct Done<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Done<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::Release);
+            }
+        }
+        let _done = Done(&self.dialing);
+        if self.is_connected() {
+            // Sentinel's failure path connected it meanwhile.
+            return Ok(());
+        }
+        let conn = self.dial().await.map_err(|e| match e {
+            // Without the URL: it may hold a password, and this repeats.
+            ConnectError::Unreachable { why, .. } => Unavailable(format!("redis: {why}")),
+            ConnectError::Url(why) => Unavailable(format!("redis: {why}")),
+        })?;
+        self.install(conn);
+        tracing::warn!(
+            cluster = self.is_cluster(),
+            "redis: connected (it was unreachable when this instance started)"
+        );
+        self.catch_up().await
+    }
+
+    /// Opens the connection `self.url` names: through the sentinels, to a
+    /// cluster (a node that says so), or to a single node.
+    async fn dial(&self) -> Result<Conn, ConnectError> {
+        let timeout = self.timeout;
+        let unreachable = |why: String| ConnectError::Unreachable {
+            url: self.url.clone(),
+            why,
         };
-        store.catch_up().await.map_err(|e| unreachable(e.0))?;
-        Ok(store)
+        let no_answer = || unreachable(format!("no answer within {} ms", timeout.as_millis()));
+        if let Some(source) = &self.sentinel {
+            let client = tokio::time::timeout(timeout * 2, source.master())
+                .await
+                .map_err(|_| unreachable("the sentinels did not answer in time".into()))?
+                .map_err(|e| unreachable(e.to_string()))?;
+            // A master Sentinel names is never a cluster node.
+            let c = tokio::time::timeout(
+                timeout,
+                client.get_multiplexed_async_connection_with_config(&self.direct),
+            )
+            .await
+            .map_err(|_| no_answer())?
+            .map_err(|e| unreachable(e.to_string()))?;
+            return Ok(Conn::Sentinel(c));
+        }
+        let client =
+            redis::Client::open(self.url.as_str()).map_err(|e| ConnectError::Url(e.to_string()))?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(timeout))
+            .set_number_of_retries(1)
+            .set_min_delay(Duration::from_millis(5))
+            .set_max_delay(Duration::from_millis(50));
+        let single =
+            tokio::time::timeout(timeout, ConnectionManager::new_with_config(client, config))
+                .await
+                .map_err(|_| no_answer())?
+                .map_err(|e| unreachable(e.to_string()))?;
+        // A cluster node says so; the cluster client then finds the others.
+        let info: String = tokio::time::timeout(
+            timeout,
+            redis::cmd("INFO")
+                .arg("cluster")
+                .query_async(&mut single.clone()),
+        )
+        .await
+        .map_err(|_| no_answer())?
+        .map_err(|e| unreachable(e.to_string()))?;
+        if !info.lines().any(|l| l.trim() == "cluster_enabled:1") {
+            return Ok(Conn::Single(single));
+        }
+        let client = redis::cluster::ClusterClient::builder(vec![self.url.as_str()])
+            .connection_timeout(timeout)
+            .response_timeout(timeout)
+            .build()
+            .map_err(|e| ConnectError::Url(e.to_string()))?;
+        let c = tokio::time::timeout(timeout * 5, client.get_async_connection())
+            .await
+            .map_err(|_| unreachable("the cluster did not answer in time".into()))?
+            .map_err(|e| unreachable(e.to_string()))?;
+        Ok(Conn::Cluster(c))
+    }
+
+    /// Makes `conn` the one every call uses. The cluster flag goes first: a
+    /// call that read it as unset just before may still reach the cluster
+    /// with a single node's script, which the cluster refuses (CROSSSLOT):
+    /// an [`Unavailable`] at the instant of the first connection, never a
+    /// wrong write.
+    fn install(&self, conn: Conn) {
+        if matches!(conn, Conn::Cluster(_)) {
+            self.cluster
+                .store(true, std::sync::atomic::Ordering::Release);
+        }
+        *self.conn.write() = conn;
     }
 
     fn conn(&self) -> Conn {
@@ -499,7 +622,7 @@ impl RedisStore {
     fn local_only(&self, specs: &[ScopeSpec]) -> Vec<ScopeSpec> {
         specs
             .iter()
-            .filter(|s| !self.cluster || !cross::is_shared_base(&s.b))
+            .filter(|s| !self.is_cluster() || !cross::is_shared_base(&s.b))
             .cloned()
             .collect()
     }
@@ -507,7 +630,7 @@ impl RedisStore {
     /// After a tenant's script ended a reservation: on a cluster, the
     /// shared groups are told (a failure leaves it to the sweeper).
     async fn finish_shared(&self, catalog: &Catalog, rec: &Rec) {
-        if !self.cluster || !rec.sb.iter().any(|b| cross::is_shared_base(b)) {
+        if !self.is_cluster() || !rec.sb.iter().any(|b| cross::is_shared_base(b)) {
             return;
         }
         if let Err(e) = self.finish_cross(catalog, rec).await {
@@ -535,7 +658,7 @@ impl RedisStore {
 
     /// Whether the server is a Redis Cluster.
     pub fn is_cluster(&self) -> bool {
-        self.cluster
+        self.cluster.load(std::sync::atomic::Ordering::Acquire)
     }
 
     fn now_ms(&self) -> Option<u64> {
@@ -623,7 +746,7 @@ impl RedisStore {
         Req {
             op,
             p: &self.prefix,
-            cl: self.cluster,
+            cl: self.is_cluster(),
             now: self.now_ms(),
             re: s.ended_retention_ms,
             ri: s.idempotency_retention_ms,
@@ -1090,7 +1213,7 @@ impl Store for RedisStore {
                 fp: r.fp.clone(),
                 ..Rec::default()
             });
-            if self.cluster && req.scopes.any_shared() {
+            if self.is_cluster() && req.scopes.any_shared() {
                 r.scopes = self.local_only(&specs);
                 match self
                     .reserve_cross(&catalog, version, req, &prep, id, &specs, r, &mut estimate)
@@ -1310,7 +1433,7 @@ impl Store for RedisStore {
                 spec.q = Some(if d.is_implied() { 0 } else { delta.get(d) });
             });
             r.scopes = self.local_only(&specs);
-            let reply = if self.cluster && res.scopes.any_shared() {
+            let reply = if self.is_cluster() && res.scopes.any_shared() {
                 match self
                     .extend_cross(
                         &catalog,
@@ -1473,6 +1596,8 @@ impl Store for RedisStore {
     }
 
     async fn expire_due(&self) -> Result<u64, Unavailable> {
+        // The sweeper is what connects a store started without Redis.
+        self.connect_now().await?;
         let (catalog, _) = self.snapshot();
         // One pipelined look at every group's earliest expiry and earliest
         // retention end; only the groups with something due get a script.
@@ -1493,7 +1618,7 @@ impl Store for RedisStore {
         for reply in futures_util::future::join_all(calls).await {
             reply?;
         }
-        if self.cluster {
+        if self.is_cluster() {
             self.sweep_cross(&catalog).await?;
         }
         self.sum_counter("expired").await
@@ -1565,7 +1690,7 @@ impl Store for RedisStore {
         // On a single node one stream holds every record (group 0); on a
         // cluster a tenant's records are all in its group's stream.
         let groups: Vec<u16> = match tenant {
-            _ if !self.cluster => vec![0],
+            _ if !self.is_cluster() => vec![0],
             Some(t) => vec![u16::from(ReservationId::tenant_tag(t))],
             None => (0..512).collect(),
         };

@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 
 use allowance_conformance::catalogs::START_MS;
 use allowance_core::{
-    Amounts, Catalog, Dimension, Limit, ManualClock, Override, OverrunPolicy, Plan, ReservationId,
-    ReserveError, ReserveRequest, ScopeKey, ScopeStatus, SeededIds, Settings, SettleError, Status,
-    Store, StoreError, Usage, UsageKind, Window,
+    Amounts, Catalog, CatalogChange, Dimension, Limit, ManualClock, Override, OverrunPolicy, Plan,
+    ReservationId, ReserveError, ReserveRequest, ScopeKey, ScopeStatus, SeededIds, Settings,
+    SettleError, Status, Store, StoreError, Usage, UsageKind, Window,
 };
 use allowance_redis::{FailOpenLocal, RedisOptions, RedisStore};
 use allowance_testkit::{RedisOptions as ServerOptions, RedisServer, redis_available};
@@ -82,16 +82,24 @@ fn aof() -> ServerOptions {
     }
 }
 
-/// A fail-open store (fraction 0.1) on `server`, and its clock.
-async fn store(server: &RedisServer) -> (FailOpenLocal, Arc<ManualClock>) {
-    let clock = Arc::new(ManualClock::new(allowance_core::Timestamp::from_millis(
-        START_MS,
-    )));
-    let ids = Arc::new(SeededIds::new(0xfa11));
+fn options(server: &RedisServer) -> RedisOptions {
     let mut options = RedisOptions::new(server.url());
     options.prefix = "fo:".into();
     options.timeout_ms = 500;
-    let redis = RedisStore::connect(options, catalog(), Some(clock.clone()), ids.clone())
+    options
+}
+
+fn manual_clock() -> Arc<ManualClock> {
+    Arc::new(ManualClock::new(allowance_core::Timestamp::from_millis(
+        START_MS,
+    )))
+}
+
+/// A fail-open store (fraction 0.1) on `server`, and its clock.
+async fn store(server: &RedisServer) -> (FailOpenLocal, Arc<ManualClock>) {
+    let clock = manual_clock();
+    let ids = Arc::new(SeededIds::new(0xfa11));
+    let redis = RedisStore::connect(options(server), catalog(), Some(clock.clone()), ids.clone())
         .await
         .unwrap_or_else(|e| panic!("connecting: {e}"));
     (
@@ -532,4 +540,125 @@ async fn a_hung_redis_does_not_cost_every_reserve_the_timeout() {
         15,
         "Redis answers again: admitted there"
     );
+}
+
+/// A process that starts while Redis is down (a restart during an outage)
+/// serves on the local ledger at once, on the configured catalog since it
+/// cannot read Redis's; the sweeper connects when Redis comes, imports what
+/// was admitted meanwhile, and catches up with the admin changes kept there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_started_without_redis_connects_when_it_comes() {
+    let Some(()) = redis_available() else { return };
+    let mut server = RedisServer::start_with(aof());
+    let c = catalog();
+    let acme = ScopeKey::tenant("acme").unwrap();
+    {
+        // An admin change another instance made: acme gets 5,000 tokens.
+        let (other, _) = store(&server).await;
+        let own = Plan::new(
+            "acme",
+            vec![
+                Limit::new(
+                    Dimension::TOKENS,
+                    5_000,
+                    Window::Sliding {
+                        period_ms: 3_600_000,
+                        slices: 60,
+                    },
+                )
+                .unwrap(),
+            ],
+            OverrunPolicy::ChargeActual,
+        )
+        .unwrap();
+        other
+            .change_catalog(&CatalogChange::SetOverride(
+                acme.clone(),
+                Override::Limits(own),
+            ))
+            .await
+            .unwrap();
+    }
+    blocking(|| server.kill9());
+
+    let clock = manual_clock();
+    let ids = Arc::new(SeededIds::new(0x1a7e));
+    let redis = RedisStore::connect_later(
+        options(&server),
+        c.clone(),
+        Some(clock.clone()),
+        ids.clone(),
+    )
+    .unwrap_or_else(|e| panic!("a store that connects later only checks the URL: {e}"));
+    assert!(!redis.is_connected());
+    let fo = FailOpenLocal::new(Arc::new(redis), 0.1, clock.clone(), ids);
+
+    // Without Redis's catalog: the configured 1,000 × 0.1 tokens.
+    let mut ids = Vec::new();
+    for i in 0..10 {
+        let started = Instant::now();
+        let g = fo
+            .reserve(&request(&c, "acme", 10))
+            .await
+            .unwrap_or_else(|e| panic!("local reserve #{i}: {e:?}"));
+        assert!(
+            started.elapsed() < Duration::from_millis(400),
+            "a store that is not connected answers at once, not after the 500 ms timeout: {:?}",
+            started.elapsed()
+        );
+        ids.push(g.id);
+    }
+    match fo.reserve(&request(&c, "acme", 10)).await {
+        Err(StoreError::Rejected(ReserveError::Denied(d))) => {
+            assert_eq!((d.dimension.as_str(), d.capacity), ("tokens", 100), "{d}")
+        }
+        other => panic!("the 11th reserve of 10 should be denied locally, got {other:?}"),
+    }
+    for id in &ids {
+        fo.settle(*id, &usage(7)).await.unwrap();
+    }
+    assert_eq!(fo.admitted_locally(), 10);
+    assert!(fo.expire_due().await.is_err(), "Redis is still down");
+    assert!(!fo.redis().is_connected());
+    assert!(unavailable(
+        fo.redis().reserve(&request(&c, "acme", 1)).await
+    ));
+
+    blocking(|| server.restart());
+    reconcile_all(&fo).await;
+    assert!(fo.redis().is_connected());
+    let st = fo.redis().status(&acme).await.unwrap();
+    assert_eq!(st.limits[0].used, 70, "ten local settles of 7: {st:?}");
+    assert_eq!(
+        st.limits[0].capacity, 5_000,
+        "the admin change kept in Redis applies once connected: {st:?}"
+    );
+    let catalog = fo.catalog().await.unwrap();
+    assert_eq!(catalog.plan_for(&acme).limits()[0].capacity(), 5_000);
+    // From now on Redis admits.
+    fo.reserve(&request(&c, "acme", 10)).await.unwrap();
+    assert_eq!(fo.admitted_locally(), 10);
+    let st = fo.redis().status(&acme).await.unwrap();
+    assert_eq!((st.limits[0].used, st.limits[0].held), (70, 10), "{st:?}");
+}
+
+/// A URL that cannot be a Redis address is refused at once, connected or not.
+#[test]
+fn a_store_that_connects_later_still_checks_its_url() {
+    for url in [
+        "http://127.0.0.1:1",
+        "redis+sentinel://127.0.0.1:26379",
+        "rediss+sentinel://h:1/m",
+    ] {
+        match RedisStore::connect_later(
+            RedisOptions::new(url),
+            catalog(),
+            None,
+            Arc::new(SeededIds::new(1)),
+        ) {
+            Err(allowance_redis::ConnectError::Url(why)) => assert!(!why.is_empty(), "{url}"),
+            Err(e) => panic!("{url}: a URL error expected, got {e}"),
+            Ok(_) => panic!("{url}: accepted"),
+        }
+    }
 }
