@@ -40,12 +40,13 @@
 //! - **What Redis sees** — local usage reaches Redis's windows at import
 //!   time, not at the instant it was used (a sliding window counts it from
 //!   the import); the usage log gets one record per reservation ended
-//!   locally, with its own end instant. The local ledger starts empty: it
+//!   locally, with its own end instant. An idempotency key comes along: a
+//!   retried reserve with it replays the imported reservation (unless
+//!   Redis gave the key to a live reservation of its own meanwhile). The
+//!   local ledger starts empty: it
 //!   does not know what Redis had counted before the outage, so during an
 //!   outage each process may admit up to `fraction` of every capacity on
-//!   top of it (that is the policy). An idempotency key does not follow its
-//!   reservation into Redis: a replay after reconciliation is a new
-//!   reservation there.
+//!   top of it (that is the policy).
 //! - **Durability, honestly** — the local ledger is in memory. If this
 //!   process dies while Redis is down, what it admitted and settled locally
 //!   and has not imported yet is **lost**: those settles were answered 200
@@ -76,6 +77,7 @@ use async_trait::async_trait;
 use parking_lot::Mutex;
 
 use crate::RedisStore;
+use crate::wire::fingerprint;
 
 /// Shards of the local ledger: it serves only during an outage.
 const LOCAL_SHARDS: usize = 16;
@@ -102,6 +104,9 @@ struct Entry {
     importing: bool,
     /// Its tenant and idempotency key (see [`idem_key`]), if it has one.
     key: Option<String>,
+    /// What its idempotency key binds, as Redis records it (carried into
+    /// Redis with the import).
+    fingerprint: Option<String>,
 }
 
 #[derive(Default)]
@@ -205,13 +210,17 @@ impl FailOpenLocal {
         }
         let mut guard = Importing {
             owner: self,
-            ids: batch.iter().map(|r| r.id).collect(),
+            ids: batch.iter().map(|(r, _)| r.id).collect(),
         };
-        let results =
-            futures_util::future::join_all(batch.iter().map(|r| self.redis.import_ended(r))).await;
+        let results = futures_util::future::join_all(
+            batch
+                .iter()
+                .map(|(r, fingerprint)| self.redis.import(r, fingerprint.as_deref())),
+        )
+        .await;
         let mut done = Vec::new();
         let mut failed = None;
-        for (res, result) in batch.iter().zip(results) {
+        for ((res, _), result) in batch.iter().zip(results) {
             match result {
                 Ok(()) => done.push(res.id),
                 Err(StoreError::Unavailable(e)) => {
@@ -247,8 +256,9 @@ impl FailOpenLocal {
         }
     }
 
-    /// The local reservations that have ended, marked as being imported.
-    fn take_ended(&self) -> Vec<Reservation> {
+    /// The local reservations that have ended, marked as being imported,
+    /// each with what its idempotency key binds.
+    fn take_ended(&self) -> Vec<(Reservation, Option<String>)> {
         let mut st = self.state.lock();
         let State { local, pending, .. } = &mut *st;
         let Some(local) = local else {
@@ -264,7 +274,7 @@ impl FailOpenLocal {
             match local.ledger.get(now, *id) {
                 Some(r) if r.status != Status::Held => {
                     entry.importing = true;
-                    out.push(r);
+                    out.push((r, entry.fingerprint.clone()));
                     if out.len() == RECONCILE_BATCH {
                         break;
                     }
@@ -352,7 +362,8 @@ impl FailOpenLocal {
                 pending,
                 keys,
             } = &mut *st;
-            let ledger = &local.as_ref().expect("built above, never removed").ledger;
+            let local = local.as_ref().expect("built above, never removed");
+            let ledger = &local.ledger;
             let id = ReservationId::mint(self.ids.next_random(), tenant);
             let g = ledger
                 .reserve(self.clock.now(), id, req)
@@ -362,11 +373,20 @@ impl FailOpenLocal {
                 if let Some(k) = &key {
                     keys.insert(k.clone(), g.id);
                 }
+                let fingerprint = key.as_ref().map(|_| {
+                    fingerprint(
+                        &local.source,
+                        &req.scopes,
+                        &req.amounts,
+                        req.model.as_deref(),
+                    )
+                });
                 pending.insert(
                     g.id,
                     Entry {
                         importing: false,
                         key,
+                        fingerprint,
                     },
                 );
                 self.admitted.fetch_add(1, Ordering::Relaxed);

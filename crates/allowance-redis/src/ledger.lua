@@ -793,6 +793,16 @@ function ops.import()
       return reply({t = 'ok', dup = true})
     end
   end
+  -- Its idempotency key comes along, unless a live reservation of Redis's
+  -- own has it (a retry admitted here once Redis was back): that one keeps
+  -- it. Looked up before the first write.
+  local ikey, take_key
+  if rec.ik then
+    ikey = base .. ':i:' .. rec.tn .. '\n' .. rec.ik
+    local cur = redis.call('GET', ikey)
+    local other = cur and cur ~= rec.id and load_record(base, cur)
+    take_key = not (other and not (other.e and now >= other.e + req.ri))
+  end
   for _, sc in ipairs(req.scopes) do observe_scope(sc) end
   local scopes = {}
   for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
@@ -802,6 +812,7 @@ function ops.import()
   end
   schedule_drop(base, rec, rec.e)
   redis.call('SET', rkey, pack(rec))
+  if take_key then redis.call('SET', ikey, rec.id) end
   if rec.st ~= 'held' then usage_event(rec.st, rec.e, rec) end
   return reply({t = 'ok'})
 end

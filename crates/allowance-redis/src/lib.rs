@@ -993,7 +993,25 @@ impl RedisStore {
     /// scopes (at the time of the import) and every one joins the usage log
     /// with its own end instant. Idempotent by id: importing it again
     /// changes nothing. A HELD reservation is refused (end it first).
+    ///
+    /// Its idempotency key, if any, is not carried into Redis (a reserve
+    /// with the key is a new reservation there); [`FailOpenLocal`], which
+    /// knows the request the key bound, carries it.
     pub async fn import_ended(&self, res: &Reservation) -> Result<(), StoreError<Invalid>> {
+        self.import(res, None).await
+    }
+
+    /// [`import_ended`](RedisStore::import_ended), with the reservation's
+    /// idempotency key carried when `fingerprint` (what the key bound, as
+    /// [`wire::fingerprint`] made it from the request) is given: a reserve
+    /// with the key then replays the imported reservation, for the
+    /// idempotency retention after it ended — unless Redis has given the
+    /// key to a live reservation of its own meanwhile, which keeps it.
+    pub(crate) async fn import(
+        &self,
+        res: &Reservation,
+        fingerprint: Option<&str>,
+    ) -> Result<(), StoreError<Invalid>> {
         if res.status == Status::Held {
             return Err(StoreError::Rejected(Invalid::new(
                 "status",
@@ -1035,8 +1053,11 @@ impl RedisStore {
                 c: res.charged.as_ref().map(|c| named(&catalog, c)),
                 late: res.late.then_some(true),
                 ov: overrun_name(res.overrun),
-                ik: None,
-                fp: None,
+                ik: fingerprint.and(res.idempotency_key.as_deref().map(str::to_string)),
+                fp: res
+                    .idempotency_key
+                    .as_ref()
+                    .and(fingerprint.map(str::to_string)),
                 v: Some(1),
             });
             r.scopes = specs;

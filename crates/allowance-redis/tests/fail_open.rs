@@ -662,3 +662,70 @@ fn a_store_that_connects_later_still_checks_its_url() {
         }
     }
 }
+
+fn keyed(c: &Catalog, tenant: &str, n: u64, key: &str) -> ReserveRequest {
+    let mut req = request(c, tenant, n);
+    req.idempotency_key = Some(key.into());
+    req
+}
+
+/// An idempotency key used while Redis was down follows its reservation
+/// into Redis: a retried reserve with it after reconciliation replays the
+/// imported reservation (a different request under it is a conflict), and
+/// holds nothing more — unless Redis gave the key to a live reservation of
+/// its own meanwhile, which keeps it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idempotency_key_used_during_an_outage_replays_after_it() {
+    let Some(()) = redis_available() else { return };
+    let mut server = RedisServer::start_with(aof());
+    let (fo, _clock) = store(&server).await;
+    let c = catalog();
+    let acme = ScopeKey::tenant("acme").unwrap();
+
+    blocking(|| server.kill9());
+    let settled = fo.reserve(&keyed(&c, "acme", 10, "k")).await.unwrap();
+    fo.settle(settled.id, &usage(7)).await.unwrap();
+    let refunded = fo.reserve(&keyed(&c, "acme", 5, "r")).await.unwrap();
+    fo.refund(refunded.id).await.unwrap();
+    let taken = fo.reserve(&keyed(&c, "acme", 3, "taken")).await.unwrap();
+    fo.settle(taken.id, &usage(3)).await.unwrap();
+    assert_eq!(fo.admitted_locally(), 3);
+
+    blocking(|| server.restart());
+    until_redis_answers(&fo).await;
+    // Another instance reuses "taken" in Redis before this one reconciles.
+    let theirs = fo
+        .redis()
+        .reserve(&keyed(&c, "acme", 4, "taken"))
+        .await
+        .unwrap();
+    assert!(!theirs.replayed);
+    reconcile_all(&fo).await;
+
+    let again = fo.reserve(&keyed(&c, "acme", 10, "k")).await.unwrap();
+    assert!(again.replayed, "{again:?}");
+    assert_eq!(again.id, settled.id);
+    let r = fo.get(settled.id).await.unwrap().expect("imported");
+    assert_eq!(
+        (r.status, r.charged.map(|c| c.get(Dimension::TOKENS))),
+        (Status::Settled, Some(7))
+    );
+    let again = fo.reserve(&keyed(&c, "acme", 5, "r")).await.unwrap();
+    assert_eq!((again.replayed, again.id), (true, refunded.id));
+    match fo.reserve(&keyed(&c, "acme", 20, "k")).await {
+        Err(StoreError::Rejected(ReserveError::IdempotencyConflict { key })) => {
+            assert_eq!(key, "k")
+        }
+        other => panic!("another request under the key should conflict, got {other:?}"),
+    }
+    // Redis's own reservation keeps the key it was given.
+    let again = fo.reserve(&keyed(&c, "acme", 4, "taken")).await.unwrap();
+    assert_eq!((again.replayed, again.id), (true, theirs.id));
+    assert_eq!(fo.admitted_locally(), 3, "replays are not admissions");
+    let st = fo.redis().status(&acme).await.unwrap();
+    assert_eq!(
+        (st.limits[0].used, st.limits[0].held),
+        (10, 4),
+        "7 + 3 used, Redis's own 4 held, the replays hold nothing: {st:?}"
+    );
+}
