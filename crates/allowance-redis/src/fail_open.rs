@@ -37,10 +37,11 @@
 //!   local reservation stays local until it ends. While an expired
 //!   reservation is being imported, a (late) settle of it answers 503 for
 //!   that moment, so the import never misses it.
-//! - **What Redis sees** — local usage reaches Redis's windows at import
-//!   time, not at the instant it was used (a sliding window counts it from
-//!   the import); the usage log gets one record per reservation ended
-//!   locally, with its own end instant. An idempotency key comes along: a
+//! - **What Redis sees** — local usage counts in Redis's windows from the
+//!   instant it was used (a sliding window in that instant's slice, a
+//!   calendar window only if it is in the current period; a bucket as of
+//!   the import, its refill since not credited); the usage log gets one
+//!   record per reservation ended locally, with its own end instant. An idempotency key comes along: a
 //!   retried reserve with it replays the imported reservation (unless
 //!   Redis gave the key to a live reservation of its own meanwhile). The
 //!   local ledger starts empty: it

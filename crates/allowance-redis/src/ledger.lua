@@ -160,6 +160,26 @@ local function record(st, amount)
   end
 end
 
+-- Records usage that happened at `at` (an import's end instant, before
+-- now): a sliding window counts it in its own slice, a calendar window in
+-- its own period (`L.cs` starts the current one), so what has left the
+-- window since counts no more. A bucket counts it as of now: the refill
+-- since `at` is not credited (too much, never too little, for a while).
+local function record_at(st, L, amount, at)
+  if amount == 0 or at >= now then return record(st, amount) end
+  local k = st.k
+  if k == 's' then
+    local slice = floor(at / st.w)
+    if slice <= floor(now / st.w) - st.n then return end
+    st.s[slice] = (st.s[slice] or 0) + amount
+    st.t = st.t + amount
+  elseif k == 'c' and at < L.cs then
+    return
+  else
+    record(st, amount)
+  end
+end
+
 local function sorted_slices(st, from, to)
   local ks = {}
   for slice, v in pairs(st.s) do
@@ -807,7 +827,7 @@ function ops.import()
   local scopes = {}
   for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
   for _, s in ipairs(scopes) do
-    for li, L in ipairs(s.lims) do record(s.states[li], L.a or 0) end
+    for li, L in ipairs(s.lims) do record_at(s.states[li], L, L.a or 0, rec.e) end
     save_scope(s)
   end
   schedule_drop(base, rec, rec.e)

@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 
 use allowance_conformance::catalogs::START_MS;
 use allowance_core::{
-    Amounts, Catalog, CatalogChange, Dimension, Limit, ManualClock, Override, OverrunPolicy, Plan,
-    ReservationId, ReserveError, ReserveRequest, ScopeKey, ScopeStatus, SeededIds, Settings,
-    SettleError, Status, Store, StoreError, Usage, UsageKind, Window,
+    Amounts, CalendarUnit, Catalog, CatalogChange, Dimension, Limit, ManualClock, Override,
+    OverrunPolicy, Plan, ReservationId, ReserveError, ReserveRequest, ScopeKey, ScopeStatus,
+    SeededIds, Settings, SettleError, Status, Store, StoreError, Usage, UsageKind, Window, Zone,
 };
 use allowance_redis::{FailOpenLocal, RedisOptions, RedisStore};
 use allowance_testkit::{RedisOptions as ServerOptions, RedisServer, redis_available};
@@ -20,7 +20,8 @@ use allowance_testkit::{RedisOptions as ServerOptions, RedisServer, redis_availa
 const RECOVERY: Duration = Duration::from_secs(10);
 
 /// Tenants: tokens 1,000 a sliding hour and 200 concurrent; the tenant
-/// `tight` has its own limits (an override): 20 concurrent.
+/// `tight` has its own limits (an override): 20 concurrent; `daily`: 1,000
+/// tokens a UTC day.
 fn catalog() -> Catalog {
     let hour = Window::Sliding {
         period_ms: 3_600_000,
@@ -50,6 +51,24 @@ fn catalog() -> Catalog {
     )
     .unwrap();
     c.set_override(ScopeKey::tenant("tight").unwrap(), Override::Limits(tight))
+        .unwrap();
+    let daily = Plan::new(
+        "daily",
+        vec![
+            Limit::new(
+                Dimension::TOKENS,
+                1000,
+                Window::Calendar {
+                    unit: CalendarUnit::Day,
+                    zone: Zone::utc(),
+                },
+            )
+            .unwrap(),
+        ],
+        OverrunPolicy::ChargeActual,
+    )
+    .unwrap();
+    c.set_override(ScopeKey::tenant("daily").unwrap(), Override::Limits(daily))
         .unwrap();
     c
 }
@@ -728,4 +747,56 @@ async fn an_idempotency_key_used_during_an_outage_replays_after_it() {
         (10, 4),
         "7 + 3 used, Redis's own 4 held, the replays hold nothing: {st:?}"
     );
+}
+
+/// What was used locally counts in Redis's windows from when it was used,
+/// not from its import: usage that has left a sliding window by the time
+/// Redis returns counts no more, nor does yesterday's in today's calendar
+/// day.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_usage_counts_in_the_windows_from_when_it_happened() {
+    let Some(()) = redis_available() else { return };
+    let mut server = RedisServer::start_with(aof());
+    let (fo, clock) = store(&server).await;
+    let c = catalog();
+    const MINUTE: u64 = 60_000;
+    blocking(|| server.kill9());
+
+    // Day 1, 22:00: 50 tokens (out of the sliding hour by the import, but
+    // within the ended retention of 24 h: not forgotten locally).
+    clock.advance_ms(22 * 60 * MINUTE);
+    let old = fo.reserve(&request(&c, "acme", 50)).await.unwrap();
+    fo.settle(old.id, &usage(50)).await.unwrap();
+    // 23:31: 30 tokens (still in it).
+    clock.advance_ms(91 * MINUTE);
+    let recent = fo.reserve(&request(&c, "acme", 30)).await.unwrap();
+    fo.settle(recent.id, &usage(30)).await.unwrap();
+    // 23:59: 40 tokens of day 1's calendar budget.
+    clock.advance_ms(28 * MINUTE);
+    let yesterday = fo.reserve(&request(&c, "daily", 40)).await.unwrap();
+    fo.settle(yesterday.id, &usage(40)).await.unwrap();
+
+    // Day 2, 00:01: Redis is back.
+    clock.advance_ms(2 * MINUTE);
+    blocking(|| server.restart());
+    reconcile_all(&fo).await;
+    let acme = fo
+        .redis()
+        .status(&ScopeKey::tenant("acme").unwrap())
+        .await
+        .unwrap();
+    assert_eq!(
+        acme.limits[0].used, 30,
+        "the hour holds only the 30: {acme:?}"
+    );
+    let daily = fo
+        .redis()
+        .status(&ScopeKey::tenant("daily").unwrap())
+        .await
+        .unwrap();
+    assert_eq!(daily.limits[0].used, 0, "day 2 has used nothing: {daily:?}");
+    // The usage log has all three, with their own instants.
+    let log = usage_by_id(fo.redis(), "acme").await;
+    assert_eq!(log.len(), 2, "{log:?}");
+    assert_eq!(usage_by_id(fo.redis(), "daily").await.len(), 1);
 }
