@@ -59,6 +59,23 @@ pub use spec::{
     plan_to_spec,
 };
 
+/// Whether `name` can name a plan in a configuration file or through the
+/// admin API: `[A-Za-z0-9._-]{1,64}` (a URL path segment and a TOML bare
+/// key as it is).
+///
+/// ```
+/// assert!(allowance_config::valid_plan_name("pro-2024.v2"));
+/// assert!(!allowance_config::valid_plan_name("a b"));
+/// assert!(!allowance_config::valid_plan_name(""));
+/// ```
+pub fn valid_plan_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
 /// The name [`starter`] gives as its source.
 pub const STARTER_SOURCE: &str = "<built-in starter>";
 

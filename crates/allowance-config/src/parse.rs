@@ -95,6 +95,19 @@ fn opt<T>(value: Option<Result<T, Bad>>) -> Read<T> {
     value.transpose()
 }
 
+/// The offset of the first table header (a line starting with `[`) after
+/// `from`, or the end of `text`.
+fn next_table_header(text: &str, from: usize) -> usize {
+    let mut offset = from;
+    for line in text.get(from..).unwrap_or("").split_inclusive('\n').skip(1) {
+        offset += line.len();
+        if line.trim_start().starts_with('[') {
+            return offset - line.len();
+        }
+    }
+    text.len()
+}
+
 /// Parses a configuration; see [`crate::parse`].
 pub(crate) fn parse_text(text: &str, source: &str) -> Result<Config, ConfigErrors> {
     if text.len() > MAX_CONFIG_BYTES {
@@ -109,9 +122,36 @@ pub(crate) fn parse_text(text: &str, source: &str) -> Result<Config, ConfigError
     let mut doc = Doc::new(text);
     let (root, syntax) = DeTable::parse_recoverable(text);
     if !syntax.is_empty() {
+        // The end of a duplicated table: its keys are duplicates too, but
+        // only of that one mistake.
+        let mut skip_until = 0;
         for e in &syntax {
-            let offset = e.span().map_or(0, |s| s.start);
-            doc.syntax(offset, format!("invalid TOML: {}", e.message()));
+            let span = e.span().unwrap_or(0..0);
+            let what = text.get(span.clone()).unwrap_or("").trim();
+            if e.message() == "duplicate key" && !what.is_empty() {
+                if span.start < skip_until {
+                    continue;
+                }
+                let line_start = text[..span.start].rfind('\n').map_or(0, |i| i + 1);
+                let line = text[line_start..].lines().next().unwrap_or("").trim();
+                let message = if line.starts_with('[') {
+                    skip_until = next_table_header(text, span.end);
+                    let header = line.find(']').map_or(line, |i| {
+                        let end = if line[i..].starts_with("]]") {
+                            i + 2
+                        } else {
+                            i + 1
+                        };
+                        &line[..end]
+                    });
+                    format!("invalid TOML: the table `{header}` is defined twice")
+                } else {
+                    format!("invalid TOML: the key `{what}` is defined twice")
+                };
+                doc.syntax(span.start, message);
+                continue;
+            }
+            doc.syntax(span.start, format!("invalid TOML: {}", e.message()));
         }
         return Err(finish(doc, source));
     }
@@ -521,16 +561,23 @@ fn read_plan(doc: &mut Doc, item: &Item, catalog: &mut Catalog) -> Result<(Arc<P
         Ok(v) => spec.queue_weight = v.flatten().and_then(|v| u32::try_from(v).ok()),
         Err(Bad) => ok = false,
     }
+    if item.key.len() <= 64 && !crate::valid_plan_name(item.key) {
+        // The admin API could never change such a plan (the engine's own
+        // check, below, is only its length).
+        doc.error(
+            item.offset,
+            &t.path,
+            format!(
+                "invalid plan name {:?}: expected [A-Za-z0-9._-]{{1,64}}",
+                item.key
+            ),
+        );
+        ok = false;
+    }
     let mut limits = Vec::new();
     match t.get("limits") {
-        None => {
-            doc.error(
-                item.offset,
-                &child_path(&t.path, "limits"),
-                "required (write `limits = []` for a plan with no limits)",
-            );
-            ok = false;
-        }
+        // Every key has a default: a plan without limits limits nothing.
+        None => {}
         Some(limits_item) => {
             let tables = tables_of(doc, &limits_item)?;
             for (i, table) in tables.into_iter().enumerate() {

@@ -294,15 +294,25 @@ fn plan_level_problems() {
         ],
     );
     check(
-        "[plans.free]\noverrun = \"charge_actual\"\n",
-        &[
-            "error: bad.toml:1: key `plans.free.limits`: required (write `limits = []` for a plan with no limits)",
-        ],
-    );
-    check(
         "[plans.free]\nlimits = []\nqueue_weight = 0\n",
         &[
             "error: bad.toml:3: key `plans.free.queue_weight`: expected an integer between 1 and 1000, got 0",
+        ],
+    );
+}
+
+#[test]
+fn plan_names_are_those_the_admin_api_takes() {
+    check(
+        "[kinds.user]\nplan = \"a b\"\n\n[plans.\"a b\"]\nlimits = []\n",
+        &[
+            "error: bad.toml:4: key `plans.\"a b\"`: invalid plan name \"a b\": expected [A-Za-z0-9._-]{1,64}",
+        ],
+    );
+    check(
+        "[plans.\"override:tenant:acme\"]\n",
+        &[
+            "error: bad.toml:1: key `plans.\"override:tenant:acme\"`: invalid plan name \"override:tenant:acme\": expected [A-Za-z0-9._-]{1,64}",
         ],
     );
 }
@@ -451,4 +461,41 @@ fn every_prefix_of_a_valid_file_fails_cleanly_or_parses() {
     for cut in cuts {
         let _ = parse(&starter[..cut], "cut.toml");
     }
+}
+
+/// Every key has a default: a plan written without `limits` limits nothing.
+#[test]
+fn a_plan_without_limits_limits_nothing() {
+    let config = allowance_config::parse(
+        "[kinds.user]\nplan = \"free\"\n\n[plans.free]\noverrun = \"charge_actual\"\n",
+        "ok.toml",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let free = config
+        .catalog
+        .plans()
+        .find(|p| p.name() == "free")
+        .expect("the plan is there");
+    assert!(free.limits().is_empty());
+}
+
+/// A key or table written twice is named, once per mistake (the keys of a
+/// duplicated table are not reported again).
+#[test]
+fn a_duplicate_names_the_key_or_table() {
+    check(
+        "currency = \"EUR\"\ncurrency = \"USD\"\n",
+        &["error: bad.toml:2: invalid TOML: the key `currency` is defined twice"],
+    );
+    check(
+        "[plans.p]\nlimits = []\n\n[plans.p] # again\nlimits = []\n\n[plans.q]\nlimits = []\nlimits = []\n",
+        &[
+            "error: bad.toml:4: invalid TOML: the table `[plans.p]` is defined twice",
+            "error: bad.toml:9: invalid TOML: the key `limits` is defined twice",
+        ],
+    );
+    check(
+        "[plans.p]\nlimits = [{ dimension = \"tokens\", dimension = \"requests\", capacity = 1 }]\n",
+        &["error: bad.toml:2: invalid TOML: the key `dimension` is defined twice"],
+    );
 }

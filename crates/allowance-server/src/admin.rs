@@ -74,14 +74,6 @@ pub(crate) async fn list_plans(State(state): State<AppState>, headers: HeaderMap
     .await
 }
 
-fn valid_plan_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 64
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-}
-
 /// Custom dimensions a list of limits names that the catalog lacks, in
 /// first-use order.
 fn new_dimensions(limits: &[LimitSpec], catalog: &Catalog) -> Vec<String> {
@@ -148,7 +140,7 @@ pub(crate) async fn put_plan(
             .authenticate(&headers)?
             .require_admin()?;
         let JsonBody(spec) = body?;
-        if !valid_plan_name(&name) {
+        if !allowance_config::valid_plan_name(&name) {
             return Err(ApiError::invalid(
                 Some("name".into()),
                 format!("invalid plan name {name:?}: expected [A-Za-z0-9._-]{{1,64}}"),
