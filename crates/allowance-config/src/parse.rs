@@ -208,6 +208,25 @@ fn finish(doc: Doc, source: &str) -> ConfigErrors {
 
 // ---- scalar sections
 
+/// The ISO 4217 currency codes (the list of 2025, with the codes being
+/// withdrawn still accepted), sorted for a binary search.
+const ISO_4217: &[&str] = &[
+    "AED", "AFN", "ALL", "AMD", "ANG", "AOA", "ARS", "AUD", "AWG", "AZN", "BAM", "BBD", "BDT",
+    "BGN", "BHD", "BIF", "BMD", "BND", "BOB", "BOV", "BRL", "BSD", "BTN", "BWP", "BYN", "BZD",
+    "CAD", "CDF", "CHE", "CHF", "CHW", "CLF", "CLP", "CNY", "COP", "COU", "CRC", "CUC", "CUP",
+    "CVE", "CZK", "DJF", "DKK", "DOP", "DZD", "EGP", "ERN", "ETB", "EUR", "FJD", "FKP", "GBP",
+    "GEL", "GHS", "GIP", "GMD", "GNF", "GTQ", "GYD", "HKD", "HNL", "HTG", "HUF", "IDR", "ILS",
+    "INR", "IQD", "IRR", "ISK", "JMD", "JOD", "JPY", "KES", "KGS", "KHR", "KMF", "KPW", "KRW",
+    "KWD", "KYD", "KZT", "LAK", "LBP", "LKR", "LRD", "LSL", "LYD", "MAD", "MDL", "MGA", "MKD",
+    "MMK", "MNT", "MOP", "MRU", "MUR", "MVR", "MWK", "MXN", "MXV", "MYR", "MZN", "NAD", "NGN",
+    "NIO", "NOK", "NPR", "NZD", "OMR", "PAB", "PEN", "PGK", "PHP", "PKR", "PLN", "PYG", "QAR",
+    "RON", "RSD", "RUB", "RWF", "SAR", "SBD", "SCR", "SDG", "SEK", "SGD", "SHP", "SLE", "SLL",
+    "SOS", "SRD", "SSP", "STN", "SVC", "SYP", "SZL", "THB", "TJS", "TMT", "TND", "TOP", "TRY",
+    "TTD", "TWD", "TZS", "UAH", "UGX", "USD", "USN", "UYI", "UYU", "UYW", "UZS", "VED", "VES",
+    "VND", "VUV", "WST", "XAF", "XAG", "XAU", "XBA", "XBB", "XBC", "XBD", "XCD", "XCG", "XDR",
+    "XOF", "XPD", "XPF", "XPT", "XSU", "XTS", "XUA", "XXX", "YER", "ZAR", "ZMW", "ZWG", "ZWL",
+];
+
 fn read_currency(doc: &mut Doc, root: &Table) -> String {
     let Some(item) = root.get("currency") else {
         return DEFAULT_CURRENCY.to_string();
@@ -215,7 +234,7 @@ fn read_currency(doc: &mut Doc, root: &Table) -> String {
     let Ok(text) = item.str(doc) else {
         return DEFAULT_CURRENCY.to_string();
     };
-    if text.len() != 3 || !text.bytes().all(|b| b.is_ascii_uppercase()) {
+    if ISO_4217.binary_search(&text).is_err() {
         doc.error(
             item.offset,
             &item.path,
@@ -690,7 +709,7 @@ fn read_limit(
     }
     match opt(t
         .get("slices")
-        .map(|i| i.u64_in(doc, 1, u64::from(u32::MAX))))
+        .map(|i| i.u64_in(doc, 1, u64::from(allowance_core::MAX_SLICES))))
     {
         Ok(v) => spec.slices = v.flatten().and_then(|v| u32::try_from(v).ok()),
         Err(Bad) => ok = false,
@@ -1078,7 +1097,19 @@ fn read_gateway(
 fn install_upstreams(doc: &mut Doc, root: &Table, catalog: &mut Catalog, g: &GatewaySettings) {
     match catalog.kind(UPSTREAM_KIND) {
         Some(k) if !k.shared => {
-            let offset = root.get("kinds").map_or(root.offset, |i| i.offset);
+            // At `shared = false` if written, else at `[kinds.upstream]`.
+            let upstream = root
+                .get("kinds")
+                .and_then(|k| k.table(doc).ok())
+                .and_then(|t| t.get(UPSTREAM_KIND));
+            let shared = upstream
+                .as_ref()
+                .and_then(|u| u.table(doc).ok())
+                .and_then(|t| t.get("shared"));
+            let offset = shared
+                .map(|i| i.offset)
+                .or(upstream.map(|i| i.offset))
+                .unwrap_or(root.offset);
             doc.error(
                 offset,
                 "kinds.upstream.shared",

@@ -385,12 +385,18 @@ fn server_and_store_values() {
             "error: bad.toml:2: key `store.fail_open_fraction`: expected a share above 0 and at most 1 (such as 0.1), got 1.5",
         ],
     );
-    check(
-        "currency = \"euro\"\n",
-        &[
-            "error: bad.toml:1: key `currency`: expected an ISO 4217 code such as \"EUR\" or \"USD\", got \"euro\"",
-        ],
-    );
+    for bad in ["euro", "XYZ", "eur"] {
+        check(
+            &format!("currency = \"{bad}\"\n"),
+            &[&format!(
+                "error: bad.toml:1: key `currency`: expected an ISO 4217 code such as \"EUR\" or \"USD\", got \"{bad}\""
+            )],
+        );
+    }
+    for good in ["AED", "CHF", "JPY", "USD", "ZWG"] {
+        allowance_config::parse(&format!("currency = \"{good}\"\n"), "ok.toml")
+            .unwrap_or_else(|e| panic!("{good}: {e}"));
+    }
     check(
         "[store]\nkind = \"redis\"\nurl = \"redis://r:6379\"\nfsync = \"never\"\n",
         &[
@@ -497,5 +503,47 @@ fn a_duplicate_names_the_key_or_table() {
     check(
         "[plans.p]\nlimits = [{ dimension = \"tokens\", dimension = \"requests\", capacity = 1 }]\n",
         &["error: bad.toml:2: invalid TOML: the key `dimension` is defined twice"],
+    );
+}
+
+/// The gateway's `upstream` kind must be shared: the error is on the line
+/// that says otherwise (or the kind's own table), not the first kind's.
+#[test]
+fn an_unshared_upstream_kind_is_reported_where_it_is_written() {
+    let gateway = "[[gateway.upstreams]]\nname = \"openai\"\nbase_url = \"http://127.0.0.1:9\"\nmodels = [\"*\"]\n";
+    check(
+        &format!(
+            "[plans.p]\nlimits = []\n\n[kinds.user]\nplan = \"p\"\n\n[kinds.upstream]\nplan = \"p\"\n\n{gateway}"
+        ),
+        &[
+            "error: bad.toml:7: key `kinds.upstream.shared`: the kind `upstream` holds the gateway's shared upstream scopes: it must be `shared = true`",
+        ],
+    );
+    check(
+        &format!(
+            "[kinds.user]\nplan = \"p\"\n[kinds.upstream]\nplan = \"p\"\nshared = false\n[plans.p]\nlimits = []\n{gateway}"
+        ),
+        &[
+            "error: bad.toml:5: key `kinds.upstream.shared`: the kind `upstream` holds the gateway's shared upstream scopes: it must be `shared = true`",
+        ],
+    );
+}
+
+/// Bounds are the engine's, stated once, with their units.
+#[test]
+fn window_bounds_are_stated_with_their_units() {
+    for slices in ["3601", "4294967296"] {
+        check(
+            &format!(
+                "[plans.p]\nlimits = [{{ dimension = \"tokens\", capacity = 1, window = \"sliding\", period = \"1h\", slices = {slices} }}]\n"
+            ),
+            &[&format!(
+                "error: bad.toml:2: key `plans.p.limits[0].slices`: expected an integer between 1 and 3600, got {slices}"
+            )],
+        );
+    }
+    check(
+        "[plans.p]\nlimits = [{ dimension = \"tokens\", capacity = 1, window = \"bucket\", period = \"401d\" }]\n",
+        &["error: bad.toml:2: key `plans.p.limits[0].period`: must be between 1 ms and 400 days, got 34646400000 ms"],
     );
 }

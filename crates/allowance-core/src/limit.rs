@@ -186,7 +186,7 @@ impl Limit {
                 if *period_ms == 0 || *period_ms > MAX_PERIOD_MS {
                     return Err(Invalid::new(
                         "period_ms",
-                        format!("must be between 1 ms and 400 days, got {period_ms}"),
+                        format!("must be between 1 ms and 400 days, got {period_ms} ms"),
                     ));
                 }
                 if period_ms % u64::from(*slices) != 0 {
@@ -200,7 +200,7 @@ impl Limit {
                 if *period_ms == 0 || *period_ms > MAX_PERIOD_MS {
                     return Err(Invalid::new(
                         "period_ms",
-                        format!("must be between 1 ms and 400 days, got {period_ms}"),
+                        format!("must be between 1 ms and 400 days, got {period_ms} ms"),
                     ));
                 }
             }
