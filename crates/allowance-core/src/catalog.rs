@@ -20,7 +20,7 @@ use crate::units::Dimension;
 
 /// Most custom dimensions a deployment may define.
 pub const MAX_CUSTOM_DIMENSIONS: usize = 64;
-/// Longest idempotency key.
+/// Longest idempotency key, in characters (Unicode scalar values).
 pub const MAX_IDEMPOTENCY_KEY_LEN: usize = 200;
 /// Upper bound for `max_scopes` (scopes per reservation, the tenant included).
 pub const MAX_SCOPES_LIMIT: usize = 16;

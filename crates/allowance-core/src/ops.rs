@@ -964,7 +964,12 @@ pub fn prepare_reserve(
                 Invalid::new("idempotency_key", "a dry run takes no idempotency key").into(),
             );
         }
-        if key.is_empty() || key.len() > MAX_IDEMPOTENCY_KEY_LEN {
+        // Characters, as the spec counts them (a byte count would refuse
+        // 101 two-byte characters); the byte length bounds the count first.
+        if key.is_empty()
+            || (key.len() > MAX_IDEMPOTENCY_KEY_LEN
+                && key.chars().count() > MAX_IDEMPOTENCY_KEY_LEN)
+        {
             return Err(Invalid::new(
                 "idempotency_key",
                 format!("must have 1 to {MAX_IDEMPOTENCY_KEY_LEN} characters"),

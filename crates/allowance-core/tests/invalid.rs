@@ -253,6 +253,11 @@ fn invalid_reserves_name_the_field_and_change_nothing() {
             "idempotency_key",
         ),
         (
+            "a 201-character idempotency key of two-byte characters",
+            Box::new(|r| r.idempotency_key = Some("é".repeat(201).into())),
+            "idempotency_key",
+        ),
+        (
             "an idempotency key on a dry run",
             Box::new(|r| {
                 r.idempotency_key = Some("fresh".into());
@@ -301,7 +306,7 @@ fn invalid_reserves_name_the_field_and_change_nothing() {
 }
 
 /// The boundary values themselves pass: an amount of exactly 2^53, a ttl of
-/// exactly the maximum, a 200-character key, 16 labels with a 64-byte key
+/// exactly the maximum, a 200-character key (of two-byte characters), 16 labels with a 64-byte key
 /// and a 256-byte value.
 #[test]
 fn boundary_values_are_accepted() {
@@ -310,7 +315,8 @@ fn boundary_values_are_accepted() {
     let mut req = f.request();
     req.amounts.set(pages, MAX);
     req.ttl_ms = Some(TTL_MAX_MS);
-    req.idempotency_key = Some("k".repeat(MAX_IDEMPOTENCY_KEY_LEN).into());
+    // Characters, not bytes: 200 two-byte characters are 400 bytes.
+    req.idempotency_key = Some("é".repeat(MAX_IDEMPOTENCY_KEY_LEN).into());
     let mut ls: Vec<(String, String)> = (0..15).map(|i| (format!("l{i}"), "v".into())).collect();
     ls.push((
         "k".repeat(MAX_LABEL_KEY_LEN),
