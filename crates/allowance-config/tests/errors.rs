@@ -544,6 +544,8 @@ fn window_bounds_are_stated_with_their_units() {
     }
     check(
         "[plans.p]\nlimits = [{ dimension = \"tokens\", capacity = 1, window = \"bucket\", period = \"401d\" }]\n",
-        &["error: bad.toml:2: key `plans.p.limits[0].period`: must be between 1 ms and 400 days, got 34646400000 ms"],
+        &[
+            "error: bad.toml:2: key `plans.p.limits[0].period`: must be between 1 ms and 400 days, got 34646400000 ms",
+        ],
     );
 }

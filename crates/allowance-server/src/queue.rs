@@ -27,6 +27,12 @@
 //!   same instant, the grant finds no one and is refunded.
 //! - **Bounds** — waiters per tenant and in all; past them the refusal is
 //!   the denial at once, marked `queue_full`.
+//! - **Idempotency** — while a reserve with an idempotency key waits, a
+//!   duplicate (same tenant and key) answers 409 `conflict` (SEMANTICS 15)
+//!   rather than waiting or reserving beside it.
+//! - **Answers stay current** — a denial given from the queue (a waiter's
+//!   `wait_ms` ran out, or an immediate reserve held up by a waiter)
+//!   carries its `retry_after_ms` less the time since the store said it.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap};
@@ -77,7 +83,30 @@ struct Waiter {
     next_try: Instant,
     /// Why it waits: its last refusal (the scope in it is what it blocks).
     denial: Box<Denial>,
+    /// When the store gave `denial` (its `retry_after_ms` counts from then).
+    denied_at: Instant,
+    /// Its reservation's tenant and idempotency key, if it has one.
+    key: Option<String>,
     tx: Option<oneshot::Sender<Outcome>>,
+}
+
+impl Waiter {
+    /// Its denial as of now: `retry_after_ms` less the time since.
+    fn current_denial(&self) -> Box<Denial> {
+        let mut d = self.denial.clone();
+        let elapsed_ms = u64::try_from(self.denied_at.elapsed().as_millis()).unwrap_or(u64::MAX);
+        d.retry_after_ms = d
+            .retry_after_ms
+            .map(|ms| ms.saturating_sub(elapsed_ms).max(1));
+        d
+    }
+}
+
+/// A waiting reserve's tenant and idempotency key as one map key.
+fn waiting_key(req: &ReserveRequest) -> Option<String> {
+    req.idempotency_key
+        .as_deref()
+        .map(|k| format!("{}\n{k}", req.scopes.tenant_name()))
 }
 
 struct TenantQ {
@@ -94,6 +123,8 @@ struct State {
     tenants: HashMap<Arc<str>, TenantQ>,
     /// Waiters by the scope that refused them last.
     blocked: Blocked,
+    /// Waiters with an idempotency key, by [`waiting_key`].
+    keys: HashMap<String, u64>,
     /// The virtual time of the latest admission: where a tenant that starts
     /// waiting joins.
     vclock: u128,
@@ -103,8 +134,13 @@ struct State {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Ticket(u64);
 
-/// Refused because the queue is full: the denial that sent it there.
-pub(crate) struct QueueFull(pub(crate) Box<Denial>);
+/// Why a waiter was not queued.
+pub(crate) enum NotQueued {
+    /// The queue is full: the denial that sent it there.
+    Full(Box<Denial>),
+    /// A reserve with the same tenant and idempotency key is waiting.
+    Duplicate,
+}
 
 /// The queue and its dispatcher's wake-up.
 pub struct AdmissionQueue {
@@ -180,7 +216,15 @@ impl AdmissionQueue {
             .as_slice()
             .iter()
             .find_map(|k| st.blocked.by_scope.get(k).and_then(|set| set.first()))?;
-        st.waiters.get(seq).map(|w| w.denial.clone())
+        st.waiters.get(seq).map(Waiter::current_denial)
+    }
+
+    /// Whether a reserve with `req`'s tenant and idempotency key waits.
+    pub(crate) fn is_waiting(&self, req: &ReserveRequest) -> bool {
+        if self.waiting.load(Ordering::SeqCst) == 0 {
+            return false;
+        }
+        waiting_key(req).is_some_and(|k| self.state.lock().keys.contains_key(&k))
     }
 
     /// Queues a waiter refused with `denial`; its outcome comes on `tx`.
@@ -194,15 +238,22 @@ impl AdmissionQueue {
         priority: i32,
         denial: Box<Denial>,
         tx: oneshot::Sender<Outcome>,
-    ) -> Result<Ticket, QueueFull> {
+    ) -> Result<Ticket, NotQueued> {
         let tenant: Arc<str> = fair_tenant.unwrap_or_else(|| Arc::from(req.scopes.tenant_name()));
+        let key = waiting_key(&req);
         let mut st = self.state.lock();
+        if key.as_ref().is_some_and(|k| st.keys.contains_key(k)) {
+            return Err(NotQueued::Duplicate);
+        }
         let tenant_depth = st.tenants.get(&tenant).map_or(0, |t| t.order.len());
         if st.waiters.len() >= self.limits.total || tenant_depth >= self.limits.per_tenant {
-            return Err(QueueFull(denial));
+            return Err(NotQueued::Full(denial));
         }
         st.next_seq += 1;
         let seq = st.next_seq;
+        if let Some(k) = &key {
+            st.keys.insert(k.clone(), seq);
+        }
         let vclock = st.vclock;
         let t = st.tenants.entry(tenant.clone()).or_insert_with(|| TenantQ {
             order: BTreeSet::new(),
@@ -225,6 +276,8 @@ impl AdmissionQueue {
                 req,
                 next_try: retry_at(&denial, self.recheck),
                 denial,
+                denied_at: Instant::now(),
+                key,
                 tx: Some(tx),
             },
         );
@@ -245,7 +298,7 @@ impl AdmissionQueue {
             // Whoever it held up is tried now, not at its inherited time.
             self.kick.notify_one();
         }
-        Some(w.denial)
+        Some(w.current_denial())
     }
 
     /// Starts the dispatcher on first use.
@@ -471,6 +524,7 @@ impl AdmissionQueue {
         }
         w.next_try = next_try;
         w.denial = d;
+        w.denied_at = Instant::now();
         next_try
     }
 
@@ -531,6 +585,9 @@ impl Blocked {
 fn take(st: &mut State, waiting: &AtomicUsize, ticket: Ticket) -> Option<Waiter> {
     let w = st.waiters.remove(&ticket.0)?;
     st.blocked.remove(&w.denial.scope, w.seq);
+    if let Some(k) = &w.key {
+        st.keys.remove(k);
+    }
     if let Some(t) = st.tenants.get_mut(&w.tenant) {
         t.order.remove(&(Reverse(w.priority), w.seq));
         if t.order.is_empty() {

@@ -487,6 +487,9 @@ pub(crate) async fn admit(
     priority: i32,
     fair_for: Option<&str>,
 ) -> Result<Result<Granted, StoreError<ReserveError>>, ApiError> {
+    if state.queue().is_waiting(req) {
+        return Err(duplicate_of_a_waiter());
+    }
     let first = match queue_blocks(state, req) {
         Some(d) => Err(StoreError::Rejected(ReserveError::Denied(d))),
         None => state.call(state.store().reserve(req)).await?,
@@ -505,6 +508,15 @@ pub(crate) async fn admit(
         state, catalog, req, wait_ms, priority, fair_for, denial,
     ))
     .await
+}
+
+/// 409 for a reserve whose idempotency key a waiter in the queue has
+/// (SEMANTICS 15): its outcome is the first one's, still undecided.
+fn duplicate_of_a_waiter() -> ApiError {
+    ApiError::conflict(
+        "a reserve with this idempotency key is waiting in the admission queue; retry it once that one is answered",
+        None,
+    )
 }
 
 /// [`admit`]'s wait in the queue, for a reserve refused as rate limited
@@ -537,10 +549,11 @@ async fn wait_for_room(
         tx,
     ) {
         Ok(t) => t,
-        Err(crate::queue::QueueFull(d)) => {
+        Err(crate::queue::NotQueued::Full(d)) => {
             ::metrics::counter!("allowance_queue_full_total").increment(1);
             return Err(ApiError::denied(&d, state.now(), catalog).queue_full());
         }
+        Err(crate::queue::NotQueued::Duplicate) => return Err(duplicate_of_a_waiter()),
     };
     // Leaves the queue if this request is dropped (the client went away).
     let mut leave = Leave {

@@ -225,3 +225,85 @@ limits = [
         .await;
     assert_eq!(b.status, 201, "{}", b.json);
 }
+
+/// SEMANTICS 15: a duplicate (same tenant and idempotency key) arriving
+/// while the first still waits in the queue answers 409 `conflict` — with
+/// or without `wait_ms` — and changes nothing; once the first is answered,
+/// the key replays it as usual. (Found by an audit against the spec: it
+/// answered 429.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_duplicate_of_a_waiting_reserve_is_a_conflict() {
+    let w = World::start(ONE_AT_A_TIME).await;
+    let holder = w.reserve(&json!({"tenant": "acme", "amounts": {}})).await;
+    assert_eq!(holder.status, 201, "{}", holder.json);
+    let keyed =
+        json!({"tenant": "acme", "amounts": {}, "idempotency_key": "job-7", "wait_ms": 10_000});
+    let first = w.spawn_reserve(keyed.clone());
+    w.until_depth(1, "the first keyed reserve waits").await;
+
+    for dup in [
+        keyed.clone(),
+        json!({"tenant": "acme", "amounts": {}, "idempotency_key": "job-7"}),
+    ] {
+        let a = w.reserve(&dup).await;
+        assert_eq!(a.status, 409, "{}", a.json);
+        assert_eq!(a.json["error"]["type"], "conflict", "{}", a.json);
+        assert_eq!(w.depth(), 1, "the duplicate did not queue");
+    }
+    // Another tenant's key of the same name is not a duplicate.
+    let other = w
+        .reserve(&json!({"tenant": "other", "amounts": {}, "idempotency_key": "job-7"}))
+        .await;
+    assert_eq!(other.status, 201, "{}", other.json);
+
+    let id = holder.json["id"].as_str().unwrap();
+    let settled = w
+        .post(
+            &format!("/v1/reservations/{id}/settle"),
+            &json!({"usage": {}}),
+        )
+        .await;
+    assert_eq!(settled.status, 200, "{}", settled.json);
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201, "{}", first.json);
+    let again = w
+        .reserve(&json!({"tenant": "acme", "amounts": {}, "idempotency_key": "job-7"}))
+        .await;
+    assert_eq!(again.status, 200, "{}", again.json);
+    assert_eq!(again.json["id"], first.json["id"]);
+    assert_eq!(again.json["replayed"], true);
+}
+
+/// A waiter whose `wait_ms` runs out, and an immediate reserve held up by
+/// a waiter, are told when to retry as of now, not as of the waiter's last
+/// try: `retry_after_ms` counts down while it waits. (Found by the audit:
+/// the value computed when the waiter queued came back unchanged.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn retry_after_counts_down_while_a_reserve_waits() {
+    let w = World::start(ONE_AT_A_TIME).await;
+    let holder = w
+        .reserve(&json!({"tenant": "acme", "amounts": {}, "ttl_ms": 60_000}))
+        .await;
+    assert_eq!(holder.status, 201, "{}", holder.json);
+    let started = Instant::now();
+    let waiter = w.spawn_reserve(json!({"tenant": "acme", "amounts": {}, "wait_ms": 1_500}));
+    w.until_depth(1, "the waiter waits").await;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    // Held up by the waiter: its denial, as of now.
+    let held_up = w.reserve(&json!({"tenant": "acme", "amounts": {}})).await;
+    assert_eq!(held_up.status, 429, "{}", held_up.json);
+    let left = 60_000 - u64::try_from(started.elapsed().as_millis()).unwrap();
+    let told = held_up.json["error"]["retry_after_ms"].as_u64().unwrap();
+    assert!(
+        told <= left + 50,
+        "retry_after_ms {told} is not the ~{left} ms left of the hold"
+    );
+    let timed_out = waiter.await.unwrap();
+    assert_eq!(timed_out.status, 429, "{}", timed_out.json);
+    let left = 60_000 - u64::try_from(started.elapsed().as_millis()).unwrap();
+    let told = timed_out.json["error"]["retry_after_ms"].as_u64().unwrap();
+    assert!(
+        told <= left + 50 && told + 1_000 >= left,
+        "retry_after_ms {told} is not the ~{left} ms left of the hold"
+    );
+}
