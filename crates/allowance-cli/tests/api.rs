@@ -807,3 +807,38 @@ limits = [{ dimension = "tokens", capacity = 1000, window = "sliding", period = 
     // (The last step of the seed — everything leaving the hour — is the
     // engine's test, on a manual clock.)
 }
+
+/// A reservation's `held`, sent back as a reserve's `amounts` (or the
+/// implied `requests: 1` in a settle's usage), is accepted: the implied
+/// dimensions may say what they are. Any other value is a 400 (bad_input.rs).
+#[tokio::test]
+async fn held_amounts_sent_back_are_accepted() {
+    let s = Server::start();
+    let first = s
+        .post(
+            "/v1/reservations",
+            None,
+            &json!({"tenant": "acme", "amounts": {"input_tokens": 10}}),
+        )
+        .await
+        .expect(201);
+    let again = s
+        .post(
+            "/v1/reservations",
+            None,
+            &json!({"tenant": "acme", "amounts": first.json["held"]}),
+        )
+        .await
+        .expect(201);
+    assert_eq!(again.json["held"], first.json["held"]);
+    let id = again.json["id"].as_str().unwrap();
+    let settled = s
+        .post(
+            &format!("/v1/reservations/{id}/settle"),
+            None,
+            &json!({"usage": {"requests": 1, "input_tokens": 8}}),
+        )
+        .await
+        .expect(200);
+    assert_eq!(settled.json["charged"]["requests"], 1, "{}", settled.json);
+}

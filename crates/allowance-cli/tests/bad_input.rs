@@ -322,6 +322,25 @@ fn build(held: &str) -> Table {
             "amounts.input_tokens",
         );
     }
+    // The implied dimensions say what they are or nothing (a reservation
+    // is 1 request and, while held, 1 concurrent).
+    for (what, amounts, field) in [
+        ("requests 5", r#"{"requests": 5}"#, "amounts.requests"),
+        ("concurrent 3", r#"{"concurrent": 3}"#, "amounts.concurrent"),
+        (
+            "requests 2^53",
+            r#"{"requests": 9007199254740992}"#,
+            "amounts.requests",
+        ),
+    ] {
+        t.bad(
+            &format!("reserve: implied {what}"),
+            "POST",
+            r,
+            &format!(r#"{{"tenant": "acme", "amounts": {amounts}}}"#),
+            field,
+        );
+    }
     t.bad(
         "reserve: unknown dimension",
         "POST",
@@ -533,6 +552,13 @@ fn build(held: &str) -> Table {
         None,
     );
     t.bad("settle: {}", "POST", s, "{}", "usage");
+    t.bad(
+        "settle: implied requests 5",
+        "POST",
+        s,
+        r#"{"usage": {"requests": 5}}"#,
+        "usage.requests",
+    );
     t.bad(
         "settle: usage an array",
         "POST",
@@ -753,6 +779,13 @@ fn build(held: &str) -> Table {
         None,
     );
     t.bad("extend: {}", "POST", e, "{}", "amounts");
+    t.bad(
+        "extend: implied requests (an extend adds none)",
+        "POST",
+        e,
+        r#"{"amounts": {"requests": 1}}"#,
+        "amounts.requests",
+    );
     t.bad(
         "extend: unknown field",
         "POST",

@@ -124,6 +124,7 @@ fn reserve_request(
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
     let scopes = catalog.scope_set(&body.tenant, &pairs)?;
+    crate::wire::check_implied(&body.amounts, "amounts", true)?;
     let amounts = amounts_of(&body.amounts, catalog, "amounts")?;
     let mut req = ReserveRequest::new(scopes, amounts);
     req.model = body.model.map(Arc::from);
@@ -242,6 +243,7 @@ fn usage_of(body: SettleBody, catalog: &Catalog) -> Result<Usage, ApiError> {
             rest.0.push((name, n));
         }
     }
+    crate::wire::check_implied(&rest, "usage", true)?;
     usage.amounts = amounts_of(&rest, catalog, "usage")?;
     for (i, c) in body.charges.into_iter().enumerate() {
         usage.charges.push(Charge {
@@ -346,7 +348,10 @@ pub(crate) fn extend(
         let id = parse_id(&id)?;
         let catalog = state.catalog().await?;
         let amounts = match &body.amounts {
-            Some(a) => Some(amounts_of(a, &catalog, "amounts")?),
+            Some(a) => {
+                crate::wire::check_implied(a, "amounts", false)?;
+                Some(amounts_of(a, &catalog, "amounts")?)
+            }
             None => None,
         };
         check_owner(&state, &who, id).await?;

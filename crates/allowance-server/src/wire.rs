@@ -855,6 +855,30 @@ pub fn amounts_of(
     Ok(out)
 }
 
+/// Refuses a value of an implied dimension that contradicts it: a
+/// reservation is `requests` 1 and, while held, `concurrent` 1 (SEMANTICS),
+/// so a reserve's `amounts` or a settle's `usage` may say 1 (a `held` sent
+/// back as it was read) and nothing else, and an extend's `amounts` (added
+/// to the hold) neither. Silently replacing `"requests": 5` by 1 would let
+/// a misunderstanding pass.
+pub fn check_implied(list: &Ordered<Amount>, field: &str, may_be_one: bool) -> Result<(), Invalid> {
+    for (name, Amount(n)) in &list.0 {
+        let what = match name.as_str() {
+            "requests" => "1 per reservation",
+            "concurrent" => "1 per held reservation",
+            _ => continue,
+        };
+        let n = *n;
+        if n != 0 && !(may_be_one && n == 1) {
+            return Err(Invalid::new(
+                format!("{field}.{name}"),
+                format!("`{name}` is implied ({what}): leave it out, got {n}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
