@@ -142,6 +142,14 @@ fn check_config(file: &std::path::Path) -> ExitCode {
     match allowance_config::load(file) {
         Ok(config) => {
             crate::out(&allowance_config::plans_table(&config));
+            // Not an error here: the file may be checked where the keys
+            // are not (CI), but `serve` would refuse it.
+            for unset in serve::unset_api_keys(&config) {
+                crate::err(&format!(
+                    "warning: {}: {unset} in this environment; `allowance serve` refuses to start without it\n",
+                    file.display()
+                ));
+            }
             ExitCode::SUCCESS
         }
         Err(errors) => {

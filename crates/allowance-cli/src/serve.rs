@@ -67,6 +67,17 @@ fn configure(args: &ServeArgs) -> Result<Config, String> {
         }
         config.store.data_dir = (!dir.as_os_str().is_empty()).then(|| dir.clone());
     }
+    // The environment completes the file: an upstream's key that is not
+    // there is a configuration problem, found before anything starts.
+    if let Some(first) = unset_api_keys(&config).first() {
+        let source = args
+            .config
+            .as_ref()
+            .map_or(allowance_config::STARTER_SOURCE.into(), |p| {
+                p.display().to_string()
+            });
+        return Err(format!("error: {source}: {first}\n"));
+    }
     let open = config.tokens.is_empty();
     if open && !config.server.listen.ip().is_loopback() && !args.insecure_no_auth {
         return Err(format!(
@@ -76,6 +87,27 @@ fn configure(args: &ServeArgs) -> Result<Config, String> {
         ));
     }
     Ok(config)
+}
+
+/// The gateway upstreams whose `api_key_env` names a variable that is not
+/// set (or empty) here, as `key … : …` messages.
+pub(crate) fn unset_api_keys(config: &Config) -> Vec<String> {
+    let Some(g) = &config.gateway else {
+        return Vec::new();
+    };
+    g.upstreams
+        .iter()
+        .enumerate()
+        .filter_map(|(i, u)| {
+            let var = u.api_key_env.as_ref()?;
+            std::env::var(var).ok().filter(|v| !v.is_empty()).is_none().then(|| {
+                format!(
+                    "key `gateway.upstreams[{i}].api_key_env`: the environment variable {var} (upstream {:?}) is not set",
+                    u.name
+                )
+            })
+        })
+        .collect()
 }
 
 fn credentials(config: &Config) -> Credentials {

@@ -386,3 +386,36 @@ fn serve_runs_without_transparent_huge_pages() {
         .unwrap_or_else(|| panic!("no THP_enabled line (a kernel before 5.0?): {status}"));
     assert_eq!(line.split_whitespace().nth(1), Some("0"), "{line}");
 }
+
+/// An upstream's `api_key_env` names a variable that is not set: `serve`
+/// refuses to start as for any bad configuration (exit 2, the file and key
+/// named), and `check-config`, which may run where the keys are not,
+/// passes with a warning saying so.
+#[test]
+fn an_unset_upstream_key_stops_serve_and_warns_check_config() {
+    let var = "ALLOWANCE_TEST_KEY_THAT_IS_NEVER_SET";
+    let (_dir, path) = config_file(&format!(
+        "[[gateway.upstreams]]\nname = \"openai\"\nbase_url = \"http://127.0.0.1:9\"\nmodels = [\"*\"]\napi_key_env = \"{var}\"\n"
+    ));
+    let path = path.to_string_lossy().to_string();
+    let key = "key `gateway.upstreams[0].api_key_env`: the environment variable";
+
+    let checked = run_bounded(&["check-config", &path], Duration::from_secs(30));
+    let stderr = String::from_utf8_lossy(&checked.stderr);
+    assert_eq!(checked.status.code(), Some(0), "{stderr}");
+    assert!(
+        stderr.contains("warning: ") && stderr.contains(key) && stderr.contains(var),
+        "{stderr}"
+    );
+
+    let served = run_bounded(
+        &["serve", "--listen", "127.0.0.1:0", "--config", &path],
+        Duration::from_secs(30),
+    );
+    let stderr = String::from_utf8_lossy(&served.stderr);
+    assert_eq!(served.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains(&format!("error: {path}: {key} {var}")),
+        "{stderr}"
+    );
+}
