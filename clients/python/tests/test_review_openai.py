@@ -3,7 +3,9 @@ upstream (the real OpenAI protocol) and a real allowance server."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import gc
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -95,6 +97,45 @@ async def test_async_a_stream_closed_before_it_is_read_does_not_stay_held(
         await stream.aclose()
     status = acme.get(stream.reservation.id).status
     assert status != "held", "a stream closed unread left its hold (and the call) behind"
+
+
+def test_a_stream_dropped_unread_and_unclosed_is_settled(
+    stub: Stub, upstream: openai.OpenAI, acme: Client
+) -> None:
+    # Neither read nor closed, only dropped: the provider has the prompt, so
+    # the finalizer settles it (an audit found it expired, charged nothing).
+    user = unique("u")
+    ai = BudgetedOpenAI(upstream, acme, tenant="acme", scopes={"user": user})
+    stream = ai.chat.completions.create(model="gpt-4o", messages=MESSAGES, stream=True)
+    rid = stream.reservation.id
+    assert len(stub_requests(stub)) == 1, "the call was sent"
+    # The stream and its unstarted generator hold each other: the cycle
+    # collector finalizes them.
+    del stream
+    with pytest.warns(ResourceWarning, match="dropped unread"):
+        gc.collect()
+    info = acme.get(rid)
+    assert info.status == "settled", f"a dropped stream's call was {info.status}"
+    assert info.charged is not None and info.charged["input_tokens"] > 0
+
+
+async def test_async_a_stream_dropped_unread_and_unclosed_is_settled(
+    stub: Stub, aacme: AsyncClient, acme: Client
+) -> None:
+    user = unique("u")
+    async with openai.AsyncOpenAI(
+        base_url=f"{stub.base_url}/v1", api_key="sk-stub", max_retries=0
+    ) as upstream:
+        ai = AsyncBudgetedOpenAI(upstream, aacme, tenant="acme", scopes={"user": user})
+        stream = await ai.chat.completions.create(model="gpt-4o", messages=MESSAGES, stream=True)
+        rid = stream.reservation.id
+        del stream
+        with pytest.warns(ResourceWarning, match="dropped unread"):
+            gc.collect()
+        # The settle runs as a task of the client: let it finish.
+        await asyncio.gather(*aacme._background)
+    info = acme.get(rid)
+    assert info.status == "settled", f"a dropped stream's call was {info.status}"
 
 
 # A stream within its bound --------------------------------------------------------

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 import pytest_asyncio
@@ -278,6 +279,75 @@ async def test_async_a_settle_cancelled_in_flight_is_not_turned_into_a_refund(
     await asyncio.sleep(0.8)  # the delayed settle reaches the server too
     info = acme.get(ids[0])
     assert info.status == "settled", f"a call that ran was {info.status}: it cost nothing"
+
+
+class SlowSettles(httpx.AsyncBaseTransport):
+    """Delays every settle before it leaves the client: a settle cut off
+    by a cancellation then never reaches the server by itself."""
+
+    def __init__(self, delay_s: float) -> None:
+        self._inner = httpx.AsyncHTTPTransport()
+        self._delay_s = delay_s
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/settle"):
+            await asyncio.sleep(self._delay_s)
+        return await self._inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+async def test_async_a_settle_under_a_level_triggered_deadline_still_lands(
+    server: Server, acme: Client
+) -> None:
+    # An anyio deadline (httpx's own library) cancels every await past it,
+    # the guard's settle again included: the settle must run to its end
+    # anyway, or the call that ran is left to expire, free. (An audit found
+    # the reservation held, then expired with nothing used.)
+    user = unique("u")
+    ids: list[str] = []
+    async with AsyncClient(
+        server.base_url, server.tokens.acme, transport=SlowSettles(0.3)
+    ) as client:
+        with anyio.move_on_after(0.15):
+            async with client.reserve("acme", AMOUNTS, scopes={"user": user}) as r:
+                ids.append(r.id)
+                await r.settle({"input_tokens": 3000, "output_tokens": 120})
+        # Leaving the client waits for what it still sends.
+    info = acme.get(ids[0])
+    assert info.status == "settled", f"a call that ran was {info.status}: it cost nothing"
+
+
+async def test_reserve_or_wait_cancelled_after_an_unknown_outcome_leaks_no_hold(
+    proxy: Proxy, apacme: AsyncClient, acme: Client
+) -> None:
+    # The first attempt held but its answer was lost (a 503); the retry,
+    # with the same key, replays that hold, and the task is cancelled while
+    # the replay's answer is on its way. The replayed hold is this call's
+    # own: it must be refunded, not left to its TTL (an audit found it held).
+    user = unique("u")
+    scope = f"tenant:acme/user:{user}"
+    proxy.script(Rule("POST", r"^/v1/reservations$", forward=True, status=503, body=STORE_503))
+    slow_replay = Rule("POST", r"^/v1/reservations$", delay_after_s=0.5)
+    proxy.script(slow_replay)
+    task = asyncio.ensure_future(
+        apacme.reserve_or_wait(
+            "acme",
+            AMOUNTS,
+            scopes={"user": user},
+            idempotency_key=unique("k"),
+            ttl_ms=120_000,
+            max_queue_ms=0,
+            timeout_s=10,
+        )
+    )
+    assert await asyncio.to_thread(slow_replay.forwarded.wait, 5), "the retry reached the server"
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    released = await asyncio.to_thread(no_holds_within, acme, scope, 3.0)
+    assert released, "a cancelled reserve_or_wait left its replayed hold behind"
 
 
 # reserve_or_wait ----------------------------------------------------------------

@@ -33,7 +33,7 @@ from ._shared import (
     caller_exception,
 )
 from .client import DEFAULT_TIMEOUT_S
-from .errors import AllowanceError, ConnectionFailed, Denied
+from .errors import AllowanceError, ConnectionFailed, Denied, StoreUnavailable
 from .types import (
     Charge,
     LimitSpec,
@@ -76,7 +76,7 @@ class AsyncClient:
         )
         # Refunds of holds whose reserve was cancelled in flight: referenced
         # here until done, or the event loop could drop them half-way.
-        self._background: set[asyncio.Task[Any]] = set()
+        self._background: set[asyncio.Future[Any]] = set()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -99,31 +99,63 @@ class AsyncClient:
         return call.finish(response)
 
     async def _reserve_once(
-        self, tenant: str, amounts: Mapping[str, int], options: ReserveOptions
+        self,
+        tenant: str,
+        amounts: Mapping[str, int],
+        options: ReserveOptions,
+        *,
+        replay_is_ours: bool = False,
     ) -> AsyncReservation:
         """One reserve request, safe to cancel: once sent, the server may
         hold for it whatever happens to the caller, so the request runs to
         its answer in its own task, and a hold nobody will receive is
-        refunded when it arrives (a replayed one is left to its owner)."""
+        refunded when it arrives. A replayed one is left to its owner —
+        unless ``replay_is_ours``: an earlier attempt of the same call, with
+        the same key, had an unknown outcome, so the hold is that call's."""
         request = asyncio.ensure_future(self._send(_api.reserve(tenant, amounts, options)))
         try:
             info = await asyncio.shield(request)
         except asyncio.CancelledError:
-            request.add_done_callback(self._release_abandoned)
+            request.add_done_callback(
+                lambda r: self._release_abandoned(r, replay_is_ours=replay_is_ours)
+            )
             raise
         return AsyncReservation(self, info)
 
-    def _release_abandoned(self, request: asyncio.Future[ReservationInfo]) -> None:
+    def _release_abandoned(
+        self, request: asyncio.Future[ReservationInfo], *, replay_is_ours: bool
+    ) -> None:
         if request.cancelled() or request.exception() is not None:
             return  # nothing was granted (or nobody can know): the TTL is the backstop
         info = request.result()
-        if info.status != "held" or info.replayed or info.id is None:
+        if info.status != "held" or (info.replayed and not replay_is_ours) or info.id is None:
             return
-        refund = request.get_loop().create_task(self.refund(info.id))
-        self._background.add(refund)
-        refund.add_done_callback(self._background_done)
+        self._in_background(self.refund(info.id))
 
-    def _background_done(self, task: asyncio.Task[Any]) -> None:
+    def _in_background(self, call: Awaitable[Any]) -> asyncio.Future[Any]:
+        """Runs ``call`` in a task of its own, kept until done (``aclose``
+        waits for it)."""
+        task = asyncio.ensure_future(call)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+        return task
+
+    async def _to_the_end(self, call: Awaitable[T]) -> T:
+        """Awaits ``call``, which runs to its end even if the caller is
+        cancelled meanwhile, however often (an anyio deadline cancels every
+        await after it): once a settle or refund is on its way, stopping it
+        half-way leaves the hold to its TTL, and a call that ran free. The
+        caller still gets its cancellation."""
+        task = asyncio.ensure_future(call)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done():
+                self._background.add(task)
+                task.add_done_callback(self._background_done)
+            raise
+
+    def _background_done(self, task: asyncio.Future[Any]) -> None:
         self._background.discard(task)
         if not task.cancelled():
             task.exception()  # retrieved: a failed refund leaves the hold to its TTL
@@ -165,12 +197,19 @@ class AsyncClient:
                 idempotent=options.get("idempotency_key") is not None,
                 rng=rng or random.Random(),
             )
+            # An attempt whose outcome is unknown (a 503, a lost answer) may
+            # have held: a retry's replay of it is this call's hold.
+            unknown = False
             while True:
                 attempt = ReserveOptions(**options)
                 attempt["wait_ms"] = policy.wait_ms()
                 try:
-                    return await self._reserve_once(tenant, amounts, attempt)
+                    return await self._reserve_once(
+                        tenant, amounts, attempt, replay_is_ours=unknown
+                    )
                 except AllowanceError as e:
+                    if isinstance(e, (StoreUnavailable, ConnectionFailed)):
+                        unknown = True
                     if policy.adapt(e):
                         continue
                     delay = policy.delay_s(e)
@@ -354,7 +393,9 @@ class AsyncReservation:
         flight), leaving the ``async with`` block sends it again."""
         attempt = self._state.begin_settle(usage, charges)
         try:
-            info = await self._client.settle(self.id, attempt.usage, attempt.charges)
+            info = await self._client._to_the_end(
+                self._client.settle(self.id, attempt.usage, attempt.charges)
+            )
         except BaseException as e:
             attempt.error = e
             raise
@@ -362,8 +403,9 @@ class AsyncReservation:
         return info
 
     async def refund(self) -> ReservationInfo:
-        """Releases the hold, recording nothing."""
-        self._state.info = await self._client.refund(self.id)
+        """Releases the hold, recording nothing (sent to its end even if the
+        caller is cancelled meanwhile)."""
+        self._state.info = await self._client._to_the_end(self._client.refund(self.id))
         return self._state.info
 
     async def extend(

@@ -116,9 +116,9 @@ class Client:
         Each attempt queues in the server (``wait_ms``, at most
         ``max_queue_ms``, lowered to the server's ``queue.max_wait_ms`` if that
         is less) so it is admitted the moment room frees; a
-        ``rate_limited`` answer is retried after its ``retry_after`` (capped
-        at ``max_backoff_s``, plus up to ``jitter`` × it, that extra capped
-        at ``max_backoff_s``), never sooner; a ``retry_after`` longer than
+        ``rate_limited`` answer is retried after its ``retry_after`` plus up
+        to ``jitter`` × it (that extra capped at ``max_backoff_s``), never
+        sooner than the server said; a ``retry_after`` longer than
         the time left raises the denial at once. With an
         ``idempotency_key``, a 503 or a broken connection is retried too
         (same key: it cannot hold twice). ``budget_exhausted`` and

@@ -33,8 +33,11 @@ Install with the extra: ``pip install 'allowance[openai]'``.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
+import warnings
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
@@ -347,7 +350,8 @@ class BudgetedStream:
 
     Iterate it as the SDK's stream. It settles when the stream ends (from
     the final usage chunk, else from the tokens seen); if you stop early or
-    close it (even before reading it: the provider already has the
+    close it (even before reading it, or drop it unclosed: the finalizer
+    settles it, with a ``ResourceWarning``; the provider already has the
     prompt), it settles the prompt as estimated plus the output that
     arrived; if the stream breaks with nothing arrived, it refunds. When a
     top-up is refused once the tokens seen exceed the hold, the stream ends
@@ -389,6 +393,21 @@ class BudgetedStream:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+    def __del__(self) -> None:
+        # Dropped unread and unclosed: the provider has the prompt, so it is
+        # settled now rather than left to expire, charged nothing.
+        if getattr(self, "_started", True):
+            return
+        # A finalizer must not raise: if this fails, the TTL is the backstop.
+        with contextlib.suppress(Exception):
+            self.close()
+            warnings.warn(
+                "a BudgetedStream was dropped unread and unclosed: its prompt was settled "
+                "then; close it (or use `with`)",
+                ResourceWarning,
+                stacklevel=2,
+            )
 
     def close(self) -> None:
         """Stops reading: settles the prompt and what arrived."""
@@ -550,6 +569,32 @@ class AsyncBudgetedStream:
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
+
+    def __del__(self) -> None:
+        # Dropped unread and unclosed: the provider has the prompt. A
+        # finalizer cannot await, so the settle runs as a task of the client
+        # (its ``aclose`` waits for it).
+        if getattr(self, "_started", True):
+            return
+        # A finalizer must not raise: if this fails, the TTL is the backstop.
+        with contextlib.suppress(Exception):
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                warnings.warn(
+                    "an AsyncBudgetedStream was dropped unread and unclosed with no event loop "
+                    "running: its hold expires unsettled; close it (or use `async with`)",
+                    ResourceWarning,
+                    stacklevel=2,
+                )
+                return
+            self.reservation._client._in_background(self.aclose())
+            warnings.warn(
+                "an AsyncBudgetedStream was dropped unread and unclosed: its prompt is being "
+                "settled; close it (or use `async with`)",
+                ResourceWarning,
+                stacklevel=2,
+            )
 
     async def aclose(self) -> None:
         """Stops reading: settles the prompt and what arrived."""
