@@ -21,7 +21,14 @@ pub struct JsonBody<T>(pub T);
 pub struct OptionalJsonBody<T>(pub T);
 
 fn is_json(req: &Request) -> bool {
-    let Some(ct) = req.headers().get(CONTENT_TYPE) else {
+    is_json_content_type(req.headers())
+}
+
+/// Whether `headers` say the body is JSON (`application/json`, with
+/// parameters or not, or a `…+json` type): the native API's and the
+/// gateway's 415 rule.
+pub(crate) fn is_json_content_type(headers: &axum::http::HeaderMap) -> bool {
+    let Some(ct) = headers.get(CONTENT_TYPE) else {
         return false;
     };
     // What every client sends, checked before the general parse below.

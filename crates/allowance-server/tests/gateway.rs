@@ -791,6 +791,13 @@ async fn budget_denials_speak_each_providers_shape_and_forward_nothing() {
         .parse()
         .unwrap();
     assert!(retry_after_ms > 0 && retry_after_ms.div_ceil(1000) == retry_after);
+    // The limit that said no, in the headers a success carries too.
+    assert_eq!(r.header("x-ratelimit-limit-requests").as_deref(), Some("1"));
+    assert_eq!(
+        r.header("x-ratelimit-remaining-requests").as_deref(),
+        Some("0")
+    );
+    assert!(r.header("x-ratelimit-reset-requests").is_some());
     let v = r.json();
     assert_eq!(v["error"]["code"], "rate_limited", "{v}");
     assert!(v["error"]["message"].is_string());
@@ -822,6 +829,11 @@ async fn budget_denials_speak_each_providers_shape_and_forward_nothing() {
     let r = read(anthropic(task, 10)).await;
     assert_eq!(r.status, 429, "{}", r.text);
     assert!(r.header("retry-after").is_some());
+    assert_eq!(
+        r.header("anthropic-ratelimit-requests-limit").as_deref(),
+        Some("1")
+    );
+    assert!(r.header("anthropic-ratelimit-requests-reset").is_some());
     let v = r.json();
     assert_eq!(v["type"], "error");
     assert_eq!(v["error"]["type"], "rate_limit_error", "{v}");
@@ -849,6 +861,79 @@ async fn budget_denials_speak_each_providers_shape_and_forward_nothing() {
         gw.limit("tenant:acme/agent:a1", "tokens").await,
         (agent_used, 0)
     );
+}
+
+/// A body that is not JSON by its content type is a 415, and a wrong
+/// method a 405 with `Allow`, each in the provider's error shape (never an
+/// empty body), with nothing held or forwarded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_content_type_or_method_is_refused_in_the_providers_shape() {
+    let gw = Gw::start(Setup::new("wrongshape")).await;
+    let body = chat("hi", 3).to_string();
+    for content_type in [
+        Some("text/plain"),
+        Some("application/x-www-form-urlencoded"),
+        None,
+    ] {
+        let mut req = gw
+            .client
+            .post(gw.url("/v1/chat/completions"))
+            .bearer_auth(KEY)
+            .body(body.clone());
+        if let Some(t) = content_type {
+            req = req.header("content-type", t);
+        }
+        let r = read(req).await;
+        assert_eq!(r.status, 415, "{content_type:?}: {}", r.text);
+        let v = r.json();
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+    }
+    // With parameters, it is still JSON.
+    let r = read(
+        gw.client
+            .post(gw.url("/v1/chat/completions"))
+            .bearer_auth(KEY)
+            .header("content-type", "application/json; charset=utf-8")
+            .body(body.clone()),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let forwarded = gw.stub.stats().total;
+
+    for (method, path, allow, anthropic) in [
+        (reqwest::Method::GET, "/v1/chat/completions", "POST", false),
+        (reqwest::Method::DELETE, "/v1/messages", "POST", true),
+        (reqwest::Method::POST, "/v1/models", "GET", false),
+    ] {
+        let r = read(
+            gw.client
+                .request(method.clone(), gw.url(path))
+                .bearer_auth(KEY),
+        )
+        .await;
+        assert_eq!(r.status, 405, "{method} {path}: {}", r.text);
+        assert_eq!(r.header("allow").as_deref(), Some(allow));
+        let v = r.json();
+        if anthropic {
+            assert_eq!(
+                (&v["type"], &v["error"]["type"]),
+                (&json!("error"), &json!("invalid_request_error")),
+                "{v}"
+            );
+        } else {
+            assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        }
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains(path),
+            "{v}"
+        );
+    }
+    assert_eq!(
+        gw.stub.stats().total,
+        forwarded,
+        "a refused call was forwarded"
+    );
+    gw.wait_nothing_held().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -538,4 +538,14 @@ async fn a_slow_whole_answer_keeps_its_hold() {
             .all(|r| r["kind"] == "settled" && r["late"] == false),
         "the hold expired while the upstream worked: {log:#?}"
     );
+    // So must the attempt's hold on the upstream (its bulkhead and token
+    // buckets): an audit found it expired, then settled late.
+    let attempts = gw.attempt_records().await;
+    assert!(
+        !attempts.is_empty()
+            && attempts
+                .iter()
+                .all(|r| r["kind"] == "settled" && r["late"] == false),
+        "the attempt's hold expired while the upstream worked: {attempts:#?}"
+    );
 }

@@ -74,6 +74,30 @@ impl GatewayError {
         )
     }
 
+    /// A method the route does not take: 405 with `Allow`, in the
+    /// provider's shape (as OpenAI answers it), never an empty body.
+    pub fn method_not_allowed(method: &str, path: &str, allow: &'static str) -> Self {
+        let mut e = Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid_request_error",
+            format!("Invalid method for URL ({method} {path}): use {allow}"),
+        );
+        insert(&mut e.headers, "allow", allow);
+        e
+    }
+
+    /// A body that is not JSON by its `Content-Type` (HTTP-API.md answer 2).
+    pub fn unsupported_media_type(got: Option<&str>) -> Self {
+        Self::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "invalid_request_error",
+            match got {
+                Some(t) => format!("the body must be application/json, got Content-Type {t:?}"),
+                None => "the body must be application/json (no Content-Type was given)".into(),
+            },
+        )
+    }
+
     /// The upstream could not be reached or did not answer (502).
     pub fn bad_gateway(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_GATEWAY, "api_error", message)
@@ -167,6 +191,9 @@ impl GatewayError {
     pub fn respond(self, flavor: Flavor, extra: HeaderMap) -> Response {
         let body = self.body(flavor);
         let mut r = (self.status, axum::Json(body)).into_response();
+        if let Some(d) = &self.denial {
+            denial_ratelimit_headers(r.headers_mut(), d, flavor);
+        }
         r.headers_mut().extend(self.headers);
         r.headers_mut().extend(extra);
         r
@@ -176,7 +203,7 @@ impl GatewayError {
 /// Anthropic's error type for a status.
 fn anthropic_type(status: StatusCode) -> &'static str {
     match status.as_u16() {
-        400 | 413 | 415 | 422 => "invalid_request_error",
+        400 | 405 | 413 | 415 | 422 => "invalid_request_error",
         401 => "authentication_error",
         402 => "billing_error",
         403 => "permission_error",
@@ -249,6 +276,40 @@ pub(crate) fn ratelimit_headers(
         }
     }
     h
+}
+
+/// A denial by a `requests` or `tokens` limit carries the same rate-limit
+/// headers a success does, for the limit that said no: its capacity, what
+/// is left (none, or less than asked) and when a retry can pass (OpenAI: a
+/// duration; Anthropic: the instant the window frees room).
+fn denial_ratelimit_headers(h: &mut HeaderMap, d: &DenialBody, flavor: Flavor) {
+    let word = match d.dimension.as_str() {
+        "requests" => "requests",
+        "tokens" => "tokens",
+        _ => return,
+    };
+    let left = d.remaining.max(0).to_string();
+    match flavor {
+        Flavor::OpenAi => {
+            insert(
+                h,
+                &format!("x-ratelimit-limit-{word}"),
+                &d.capacity.to_string(),
+            );
+            insert(h, &format!("x-ratelimit-remaining-{word}"), &left);
+            if let Some(ms) = d.retry_after_ms {
+                insert(h, &format!("x-ratelimit-reset-{word}"), &go_duration(ms));
+            }
+        }
+        Flavor::Anthropic => {
+            let base = format!("anthropic-ratelimit-{word}");
+            insert(h, &format!("{base}-limit"), &d.capacity.to_string());
+            insert(h, &format!("{base}-remaining"), &left);
+            if let Some(at) = &d.resets_at {
+                insert(h, &format!("{base}-reset"), at);
+            }
+        }
+    }
 }
 
 /// A duration in OpenAI's (Go's) format: `12ms`, `1s`, `1.5s`, `6m0s`,

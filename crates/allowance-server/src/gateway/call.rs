@@ -131,6 +131,13 @@ async fn prepare(
         .gateway()
         .ok_or_else(|| GatewayError::unavailable("the gateway is not configured"))?;
     let key = gw.authenticate(headers)?;
+    if !crate::extract::is_json_content_type(headers) {
+        return Err(GatewayError::unsupported_media_type(
+            headers
+                .get(axum::http::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok()),
+        ));
+    }
     let bytes = axum::body::to_bytes(body, gw.max_body_bytes)
         .await
         .map_err(|_| GatewayError::too_large(gw.max_body_bytes))?;
@@ -601,7 +608,12 @@ async fn attempts(
             Err(e) => return (Attempt::Refused(e), retries > 0),
         };
         let sent = Instant::now();
+        // The attempt's hold on the upstream lives as long as the provider
+        // takes to answer, as the caller's does (its TTL would otherwise
+        // free the upstream's bulkhead under a call still running).
+        let in_flight = Lease(Vec::new()).and(state, p, attempt_id);
         let result = send(p).await;
+        drop(in_flight);
         ::metrics::histogram!("allowance_gateway_upstream_seconds", "upstream" => label.clone())
             .record(sent.elapsed().as_secs_f64());
         let retry_in = match result {

@@ -166,6 +166,19 @@ pub(crate) fn router() -> Router<AppState> {
         .route("/v1/embeddings", post(embeddings))
         .route("/v1/messages", post(messages))
         .route("/v1/models", get(models))
+        .method_not_allowed_fallback(wrong_method)
+}
+
+/// A wrong method on a gateway route: 405 in the provider's shape (the
+/// Anthropic one on `/v1/messages`).
+async fn wrong_method(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    let path = uri.path();
+    let (flavor, allow) = match path {
+        "/v1/messages" => (Flavor::Anthropic, "POST"),
+        "/v1/models" => (Flavor::OpenAi, "GET"),
+        _ => (Flavor::OpenAi, "POST"),
+    };
+    GatewayError::method_not_allowed(method.as_str(), path, allow).respond(flavor, HeaderMap::new())
 }
 
 async fn chat(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
