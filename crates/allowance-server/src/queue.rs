@@ -11,7 +11,9 @@
 //! - **Fairness** — start-time fair queueing across tenants: each tenant
 //!   has a virtual time that grows by `1 / queue_weight` per admission, and
 //!   the tenant with the lowest goes first; a tenant that starts waiting
-//!   joins at the current virtual time (no banked credit). Within a tenant,
+//!   joins at the current virtual time (no banked credit), or at its own if
+//!   its last admissions put it later (no free pass for a tenant that only
+//!   ever has one waiter). Within a tenant,
 //!   higher `priority` first, then first come first served. Only each
 //!   tenant's first waiter is tried.
 //! - **Guarantees** — a tenant plan's concurrency limit may carry
@@ -128,6 +130,16 @@ struct State {
     /// The virtual time of the latest admission: where a tenant that starts
     /// waiting joins.
     vclock: u128,
+    /// Tenants with no waiter whose virtual time is still ahead of the
+    /// clock: one that waits again resumes from there, so a tenant that
+    /// never has more than one waiter is charged for its admissions too
+    /// (without this it rejoined at the clock each time, never behind
+    /// anyone, and took a weight-3 tenant's share). Pruned once much larger
+    /// than the tenants waiting.
+    idle_vtime: HashMap<Arc<str>, u128>,
+    /// `idle_vtime`'s size that triggers the next pruning (doubles when a
+    /// pruning keeps most: amortized O(1) a take).
+    idle_prune_at: usize,
 }
 
 /// A waiter's place, to leave the queue with.
@@ -255,9 +267,14 @@ impl AdmissionQueue {
             st.keys.insert(k.clone(), seq);
         }
         let vclock = st.vclock;
+        let resumed = if st.tenants.contains_key(&tenant) {
+            0
+        } else {
+            st.idle_vtime.remove(&tenant).unwrap_or(0)
+        };
         let t = st.tenants.entry(tenant.clone()).or_insert_with(|| TenantQ {
             order: BTreeSet::new(),
-            vtime: vclock,
+            vtime: vclock.max(resumed),
             weight: weight.max(1),
         });
         if t.order.is_empty() {
@@ -591,8 +608,18 @@ fn take(st: &mut State, waiting: &AtomicUsize, ticket: Ticket) -> Option<Waiter>
     if let Some(t) = st.tenants.get_mut(&w.tenant) {
         t.order.remove(&(Reverse(w.priority), w.seq));
         if t.order.is_empty() {
-            // A tenant that comes back joins at the clock.
+            // A tenant that comes back joins at the clock, or where its own
+            // admissions left it if that is later.
+            let vtime = t.vtime;
             st.tenants.remove(&w.tenant);
+            if vtime > st.vclock {
+                st.idle_vtime.insert(w.tenant.clone(), vtime);
+                if st.idle_vtime.len() > st.idle_prune_at.max(1024) {
+                    let vclock = st.vclock;
+                    st.idle_vtime.retain(|_, v| *v > vclock);
+                    st.idle_prune_at = 2 * st.idle_vtime.len();
+                }
+            }
         }
     }
     waiting.store(st.waiters.len(), Ordering::SeqCst);

@@ -522,6 +522,49 @@ async fn weights_are_followed_over_a_long_run() {
     assert_eq!(w.held(POOL).await, 0);
 }
 
+/// A tenant that never has more than one waiter (an agent loop: reserve,
+/// work, reserve again) is charged for its admissions like any other: a
+/// weight-1 loop against a weight-3 tenant with many waiters gets a quarter.
+/// (An audit found such a loop taking ~96%: it rejoined the queue at the
+/// clock after each admission, never behind the other tenant.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_tenant_with_one_waiter_at_a_time_gets_its_weight_not_more() {
+    let w = World::start(&pool_config(1), &[("a", "weighty")], QueueLimits::default()).await;
+    let blocker = w.hold(&pool_body("holder", 0, 0)).await;
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let mut depth = 0;
+    for (tenant, waiters) in [("a", 30), ("b", 1)] {
+        for _ in 0..waiters {
+            w.spawn_tagged(tenant, pool_body(tenant, 30_000, 0), &tx);
+            depth += 1;
+            w.until_depth(depth, "waiters queue").await;
+        }
+    }
+    w.settle(&blocker).await;
+    let (mut a_count, mut b_count) = (0u32, 0u32);
+    for n in 0..80 {
+        let (tenant, admitted) = next_admission(&mut rx, &format!("admission {n}")).await;
+        match tenant {
+            "a" => a_count += 1,
+            _ => b_count += 1,
+        }
+        // b reserves again at once; a keeps its 30 waiting.
+        w.spawn_tagged(tenant, pool_body(tenant, 30_000, 0), &tx);
+        w.until_depth(31, "the top-up queues").await;
+        w.settle(&admitted.id()).await;
+    }
+    let share = f64::from(b_count) / f64::from(a_count + b_count);
+    assert!(
+        (share - 0.25).abs() <= 0.05,
+        "b (weight 1, one waiter at a time) got {b_count}, a (weight 3) got {a_count}: share {share:.3}"
+    );
+    for n in 0..31 {
+        let (_, admitted) = next_admission(&mut rx, &format!("draining, admission {n}")).await;
+        w.settle(&admitted.id()).await;
+    }
+    assert_eq!(w.depth(), 0);
+}
+
 /// Within a tenant, higher priority first; equal priorities in arrival
 /// order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
