@@ -461,20 +461,50 @@ pub(crate) async fn metrics_text(State(state): State<AppState>) -> Response {
         .into_response()
 }
 
-/// The denial a reserve gets without asking the store, when waiters the
-/// queue holds for its scopes come first. A request with an idempotency key
-/// goes to the store first: a retry must get its replay, even while waiters
-/// hold the scope (a new keyed reservation may then take room ahead of
-/// them: the one exception).
+/// The denial of a waiter the queue holds for one of a reserve's scopes,
+/// which comes first (see [`held_up`] for the answer). A request with an
+/// idempotency key goes to the store first: a retry must get its replay,
+/// even while waiters hold the scope (a new keyed reservation may then take
+/// room ahead of them: the one exception). A dry run is held up as the
+/// reserve it mimics would be.
 pub(crate) fn queue_blocks(
     state: &AppState,
     req: &ReserveRequest,
 ) -> Option<Box<allowance_core::Denial>> {
-    if req.dry_run || req.idempotency_key.is_some() {
+    if req.idempotency_key.is_some() {
         None
     } else {
         state.queue().blocking(req)
     }
+}
+
+/// The answer of a reserve held up by a waiter (`waiter`: its denial): the
+/// request's own denial if it has one — a hard stop (`exceeds_limit`,
+/// `budget_exhausted`) outranks the wait, and its own rate limit is more
+/// precise — found by a dry run; else the waiter's, with this request's
+/// `requested` and the limit's `remaining` as of now. Never a grant.
+pub(crate) async fn held_up(
+    state: &AppState,
+    req: &ReserveRequest,
+    mut waiter: Box<allowance_core::Denial>,
+) -> Result<StoreError<ReserveError>, ApiError> {
+    let mut dry = req.clone();
+    dry.dry_run = true;
+    let would = match state.call(state.store().reserve(&dry)).await? {
+        Ok(g) => g,
+        Err(e) => return Ok(e),
+    };
+    let catalog = state.catalog().await?;
+    if let Some(dim) = catalog.dimension(&waiter.dimension) {
+        waiter.requested = would.held.get(dim);
+        if let Some(r) = would.remaining.iter().find(|r| {
+            r.scope == waiter.scope && r.dimension == waiter.dimension && r.window == waiter.window
+        }) {
+            // A dry run reports the room after this request.
+            waiter.remaining = r.remaining.saturating_add_unsigned(waiter.requested);
+        }
+    }
+    Ok(StoreError::Rejected(ReserveError::Denied(waiter)))
 }
 
 /// A reserve through the admission queue: at once when no waiter is
@@ -496,7 +526,8 @@ pub(crate) async fn admit(
         return Err(duplicate_of_a_waiter());
     }
     let first = match queue_blocks(state, req) {
-        Some(d) => Err(StoreError::Rejected(ReserveError::Denied(d))),
+        // Boxed: a rare path, kept out of every reserve's future.
+        Some(d) => Err(Box::pin(held_up(state, req, d)).await?),
         None => state.call(state.store().reserve(req)).await?,
     };
     let denial = match first {

@@ -307,3 +307,85 @@ async fn retry_after_counts_down_while_a_reserve_waits() {
         "retry_after_ms {told} is not the ~{left} ms left of the hold"
     );
 }
+
+/// Held up by a waiter, a reserve still gets its own hard stop first (a
+/// 402 or 422 outranks the wait, and is answered at once even with
+/// `wait_ms`), a dry run answers what the reserve would (the waiter's 429),
+/// and that 429 states this request's own `requested`. (Found by an audit:
+/// the waiter's 429 came back for all of them, with the waiter's figures,
+/// and the dry run said 200.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_held_up_by_a_waiter_gets_its_own_hard_stop_first() {
+    const BUDGETED: &str = r#"
+[kinds.tenant]
+plan = "small"
+[plans.small]
+limits = [
+  { dimension = "concurrent", capacity = 1 },
+  { dimension = "tokens", capacity = 100, window = "total" },
+]
+"#;
+    let w = World::start(BUDGETED).await;
+    // 60 of the 100 tokens used; the one concurrent place held.
+    let spent = w
+        .reserve(&json!({"tenant": "acme", "amounts": {"tokens": 60}}))
+        .await;
+    let id = spent.json["id"].as_str().unwrap();
+    let settled = w
+        .post(
+            &format!("/v1/reservations/{id}/settle"),
+            &json!({"usage": {"tokens": 60}}),
+        )
+        .await;
+    assert_eq!(settled.status, 200, "{}", settled.json);
+    let holder = w
+        .reserve(&json!({"tenant": "acme", "amounts": {}, "ttl_ms": 60_000}))
+        .await;
+    assert_eq!(holder.status, 201, "{}", holder.json);
+    let waiter =
+        w.spawn_reserve(json!({"tenant": "acme", "amounts": {"tokens": 10}, "wait_ms": 10_000}));
+    w.until_depth(1, "the waiter waits").await;
+
+    // 500 tokens can never fit in 100: 422, at once, with or without wait_ms.
+    for wait_ms in [0, 5_000] {
+        let started = Instant::now();
+        let a = w
+            .reserve(&json!({"tenant": "acme", "amounts": {"tokens": 500}, "wait_ms": wait_ms}))
+            .await;
+        assert_eq!(a.status, 422, "wait_ms {wait_ms}: {}", a.json);
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+    // 50 tokens: more than the 40 left of the budget: 402.
+    let a = w
+        .reserve(&json!({"tenant": "acme", "amounts": {"tokens": 50}}))
+        .await;
+    assert_eq!(a.status, 402, "{}", a.json);
+    // 5 tokens would fit the budget but the waiter comes first: 429, for
+    // this request's own 5, and the dry run says the same.
+    let a = w
+        .reserve(&json!({"tenant": "acme", "amounts": {"tokens": 5}}))
+        .await;
+    assert_eq!(a.status, 429, "{}", a.json);
+    let dry = w
+        .reserve(&json!({"tenant": "acme", "amounts": {"tokens": 5}, "dry_run": true}))
+        .await;
+    assert_eq!(
+        dry.status, 429,
+        "a dry run answers what the reserve would: {}",
+        dry.json
+    );
+    assert_eq!(dry.json["error"]["scope"], a.json["error"]["scope"]);
+    assert_eq!(a.json["error"]["dimension"], "concurrent", "{}", a.json);
+    assert_eq!(a.json["error"]["requested"], 1, "{}", a.json);
+    assert_eq!(w.depth(), 1, "nothing joined the queue");
+
+    let id = holder.json["id"].as_str().unwrap();
+    w.post(&format!("/v1/reservations/{id}/refund"), &json!({}))
+        .await;
+    let admitted = waiter.await.unwrap();
+    assert_eq!(admitted.status, 201, "{}", admitted.json);
+}

@@ -748,7 +748,7 @@ pub(crate) async fn admit_decided(
     req: &ReserveRequest,
 ) -> Result<Result<(Granted, Durable), StoreError<ReserveError>>, crate::error::ApiError> {
     if let Some(d) = crate::routes::queue_blocks(state, req) {
-        return Ok(Err(StoreError::Rejected(ReserveError::Denied(d))));
+        return Ok(Err(Box::pin(crate::routes::held_up(state, req, d)).await?));
     }
     state.call(state.store().reserve_decided(req)).await
 }
