@@ -14,8 +14,10 @@
 //!   joins at the current virtual time (no banked credit), or at its own if
 //!   its last admissions put it later (no free pass for a tenant that only
 //!   ever has one waiter). Within a tenant,
-//!   higher `priority` first, then first come first served. Only each
-//!   tenant's first waiter is tried.
+//!   higher `priority` first, then first come first served. A tenant's
+//!   first waiters (up to [`HEADS_PER_TENANT`]) are considered in that
+//!   order; one refused by a scope holds up only those after it that touch
+//!   that scope.
 //! - **Guarantees** — a tenant plan's concurrency limit may carry
 //!   `guaranteed` (CONFIG.md 9): tenants holding fewer reservations than
 //!   that are tried before the others, so a tenant bursting above its
@@ -51,6 +53,13 @@ use tokio::time::Instant;
 /// The longest a waiter goes untried: what bounds the wait for room freed
 /// by another server sharing the store, which this one is not told of.
 pub const RECHECK: Duration = Duration::from_secs(1);
+
+/// How many of a tenant's first waiters a pass considers, in the tenant's
+/// order: one refused by a scope holds up those after it that touch that
+/// scope (they are not asked), not those on other scopes (a user at its own
+/// limit does not stop a colleague whose room is free). Bounded, so a pass
+/// stays proportional to the tenants waiting.
+const HEADS_PER_TENANT: usize = 8;
 
 /// One admission's share of virtual time at weight 1 (a multiple of every
 /// weight up to 1000 would be exact; this keeps the ratios within 1e-6).
@@ -173,8 +182,9 @@ pub struct AdmissionQueue {
 struct Candidate {
     ticket: Ticket,
     req: Arc<ReserveRequest>,
-    /// The tenant's place in the fair order: (virtual time, arrival).
-    order: (u128, u64),
+    /// Its place in the fair order: (its tenant's virtual time, its
+    /// tenant's first arrival, its rank in its tenant's own order).
+    order: (u128, u64, usize),
     /// Whether it is due to be tried.
     ready: bool,
     next_try: Instant,
@@ -330,20 +340,29 @@ impl AdmissionQueue {
     /// are due (room may have freed), else those whose retry time came.
     fn candidates(&self, all: bool, now: Instant) -> Vec<Candidate> {
         let st = self.state.lock();
+        let waiters = &st.waiters;
         let mut heads: Vec<Candidate> = st
             .tenants
             .values()
-            .filter_map(|t| {
-                let &(_, seq) = t.order.first()?;
-                let w = st.waiters.get(&seq)?;
-                Some(Candidate {
-                    ticket: Ticket(seq),
-                    req: w.req.clone(),
-                    order: (t.vtime, seq),
-                    ready: all || w.next_try <= now,
-                    next_try: w.next_try,
-                    blocked_by: w.denial.scope.clone(),
-                })
+            .flat_map(|t| {
+                // Tenants by (virtual time, first waiter's arrival); within
+                // one, its own order (priority, then arrival).
+                let first = t.order.first().map_or(0, |&(_, seq)| seq);
+                t.order
+                    .iter()
+                    .take(HEADS_PER_TENANT)
+                    .enumerate()
+                    .filter_map(move |(rank, &(_, seq))| {
+                        let w = waiters.get(&seq)?;
+                        Some(Candidate {
+                            ticket: Ticket(seq),
+                            req: w.req.clone(),
+                            order: (t.vtime, first, rank),
+                            ready: all || w.next_try <= now,
+                            next_try: w.next_try,
+                            blocked_by: w.denial.scope.clone(),
+                        })
+                    })
             })
             .collect();
         heads.sort_unstable_by_key(|c| c.order);
@@ -362,7 +381,8 @@ impl AdmissionQueue {
         let st = self.state.lock();
         st.tenants
             .values()
-            .filter_map(|t| t.order.first().and_then(|(_, s)| st.waiters.get(s)))
+            .flat_map(|t| t.order.iter().take(HEADS_PER_TENANT))
+            .filter_map(|(_, s)| st.waiters.get(s))
             .map(|w| w.next_try)
             .min()
     }

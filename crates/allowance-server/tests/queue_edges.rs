@@ -389,3 +389,65 @@ limits = [
     let admitted = waiter.await.unwrap();
     assert_eq!(admitted.status, 201, "{}", admitted.json);
 }
+
+/// A waiter held up by its own user's limit does not hold up a colleague
+/// of the same tenant whose room is free: the colleague is admitted as
+/// soon as room frees, not when the first waiter gives up. (Found by an
+/// audit: only each tenant's first waiter was tried.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_at_its_own_limit_does_not_hold_up_a_colleague() {
+    const TWO_USERS: &str = r#"
+[kinds.tenant]
+plan = "small"
+[kinds.user]
+plan = "solo"
+[plans.small]
+limits = [{ dimension = "concurrent", capacity = 2 }]
+[plans.solo]
+limits = [{ dimension = "concurrent", capacity = 1 }]
+"#;
+    let w = World::start(TWO_USERS).await;
+    let bob = w
+        .reserve(
+            &json!({"tenant": "acme", "scopes": {"user": "bob"}, "amounts": {}, "ttl_ms": 60_000}),
+        )
+        .await;
+    assert_eq!(bob.status, 201, "{}", bob.json);
+    let x = w
+        .reserve(
+            &json!({"tenant": "acme", "scopes": {"user": "x"}, "amounts": {}, "ttl_ms": 60_000}),
+        )
+        .await;
+    assert_eq!(x.status, 201, "{}", x.json);
+    let bob_again = w.spawn_reserve(
+        json!({"tenant": "acme", "scopes": {"user": "bob"}, "amounts": {}, "wait_ms": 3_000}),
+    );
+    w.until_depth(1, "bob's second call waits").await;
+    let carol = w.spawn_reserve(
+        json!({"tenant": "acme", "scopes": {"user": "carol"}, "amounts": {}, "wait_ms": 3_000}),
+    );
+    w.until_depth(2, "carol waits").await;
+
+    let id = x.json["id"].as_str().unwrap();
+    let freed = Instant::now();
+    let settled = w
+        .post(
+            &format!("/v1/reservations/{id}/settle"),
+            &json!({"usage": {}}),
+        )
+        .await;
+    assert_eq!(settled.status, 200, "{}", settled.json);
+    let carol = carol.await.unwrap();
+    assert_eq!(carol.status, 201, "{}", carol.json);
+    assert!(
+        carol.at.duration_since(freed) < Duration::from_millis(1_500),
+        "carol was admitted {:?} after the room freed (bob's waiter gives up at 3 s)",
+        carol.at.duration_since(freed)
+    );
+    let bob_again = bob_again.await.unwrap();
+    assert_eq!(
+        bob_again.status, 429,
+        "bob is still at his own limit: {}",
+        bob_again.json
+    );
+}
