@@ -36,8 +36,34 @@ pub fn install() -> PrometheusHandle {
                 0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005,
                 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
             ];
+            // Waits and upstream calls span milliseconds to minutes; the
+            // estimate ratio sits around 1. Histograms, not summaries: they
+            // aggregate across instances.
+            let waits = [
+                0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                120.0, 300.0, 600.0,
+            ];
+            let ratios = [0.5, 0.75, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0];
             let builder = PrometheusBuilder::new()
                 .set_buckets_for_metric(Matcher::Full(DURATION.to_string()), &buckets)
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full("allowance_queue_wait_seconds".into()),
+                        &waits,
+                    )
+                })
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full("allowance_gateway_upstream_seconds".into()),
+                        &waits,
+                    )
+                })
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full("allowance_gateway_input_estimate_ratio".into()),
+                        &ratios,
+                    )
+                })
                 .unwrap_or_else(|_| PrometheusBuilder::new());
             let recorder = builder.build_recorder();
             let handle = recorder.handle();

@@ -353,6 +353,14 @@ async fn admitted_promptly_after_the_settle_that_frees_room() {
     assert_eq!(w.depth(), 0);
     w.settle(&a.id()).await;
     assert_eq!(w.held("tenant:acme").await, 0);
+    // The wait is a histogram (buckets aggregate across instances; a
+    // summary's quantiles do not).
+    let metrics = send(w.client.get(w.url("/metrics"))).await;
+    let text = metrics.json.as_str().unwrap_or_default().to_string();
+    assert!(
+        text.contains("allowance_queue_wait_seconds_bucket{le=\"0.5\"}"),
+        "the queue wait is a histogram:\n{text}"
+    );
 }
 
 /// Room that comes back by itself (a bucket refilling) admits the waiter
