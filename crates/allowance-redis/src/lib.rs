@@ -183,6 +183,12 @@ pub struct RedisStore {
     cluster: std::sync::atomic::AtomicBool,
     /// A [`connect_now`](RedisStore::connect_now) is dialing.
     dialing: std::sync::atomic::AtomicBool,
+    /// Cluster only: since when (ms since the epoch) calls have failed as
+    /// if the cluster were unreachable, 0 while they succeed; the sweeper
+    /// rebuilds the cluster client when this lasts ([`CLUSTER_HEAL_AFTER`]).
+    cluster_failing_since_ms: std::sync::atomic::AtomicU64,
+    /// When the cluster client was last rebuilt (ms since the epoch).
+    cluster_rebuilt_at_ms: std::sync::atomic::AtomicU64,
     /// Where the master is found again after a failover (Sentinel only).
     sentinel: Option<SentinelSource>,
     /// How a Sentinel-named master is connected to (timeouts).
@@ -202,6 +208,13 @@ pub struct RedisStore {
     /// (bounded: cleared when full), so their settle costs one round trip.
     recent: parking_lot::Mutex<std::collections::HashMap<ReservationId, Rec>>,
 }
+
+/// How long calls to a cluster must keep failing before the sweeper
+/// rebuilds the cluster client, and the least time between two rebuilds:
+/// redis-rs's client can stay stuck refreshing its slot map after a node
+/// was killed and restarted, every call timing out although the cluster is
+/// healthy again (found by an audit; `the_store_answers_again_after_a_node_restarts`).
+const CLUSTER_HEAL_AFTER: Duration = Duration::from_secs(2);
 
 /// How many granted records an instance remembers for one-round-trip settles.
 const RECENT_RECORDS: usize = 65_536;
@@ -423,6 +436,8 @@ impl RedisStore {
             conn: parking_lot::RwLock::new(Conn::Down),
             cluster: std::sync::atomic::AtomicBool::new(false),
             dialing: std::sync::atomic::AtomicBool::new(false),
+            cluster_failing_since_ms: std::sync::atomic::AtomicU64::new(0),
+            cluster_rebuilt_at_ms: std::sync::atomic::AtomicU64::new(0),
             sentinel,
             direct: redis::AsyncConnectionConfig::new()
                 .set_connection_timeout(Some(timeout))
@@ -548,6 +563,43 @@ impl RedisStore {
         Ok(Conn::Cluster(c))
     }
 
+    /// Rebuilds the cluster client when calls have failed for
+    /// [`CLUSTER_HEAL_AFTER`] (at most once per that long): a fresh client
+    /// reads the slot map anew. A failed rebuild keeps the old client.
+    async fn heal_cluster(&self) {
+        use std::sync::atomic::Ordering;
+        let since = self.cluster_failing_since_ms.load(Ordering::Relaxed);
+        let heal_after_ms = CLUSTER_HEAL_AFTER.as_millis() as u64;
+        let now = wall_ms();
+        let last = self.cluster_rebuilt_at_ms.load(Ordering::Relaxed);
+        if since == 0
+            || now < since.saturating_add(heal_after_ms)
+            || now < last.saturating_add(heal_after_ms)
+            || self
+                .cluster_rebuilt_at_ms
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_err()
+        {
+            return;
+        }
+        match self.dial().await {
+            Ok(conn @ Conn::Cluster(_)) => {
+                self.install(conn);
+                self.cluster_failing_since_ms.store(0, Ordering::Relaxed);
+                tracing::warn!(
+                    "redis: the cluster client kept failing; replaced it with a new one"
+                );
+            }
+            Ok(_) => tracing::error!(
+                "redis: the server at the configured URL is no longer a cluster node"
+            ),
+            // The reason only: the URL may hold a password.
+            Err(ConnectError::Unreachable { why, .. } | ConnectError::Url(why)) => {
+                tracing::warn!(error = %why, "redis: rebuilding the cluster client failed; trying again later")
+            }
+        }
+    }
+
     /// Makes `conn` the one every call uses. The cluster flag goes first: a
     /// call that read it as unset just before may still reach the cluster
     /// with a single node's script, which the cluster refuses (CROSSSLOT):
@@ -570,6 +622,22 @@ impl RedisStore {
     /// asks the sentinels again — at most twice a second — and switches to
     /// the master they name.
     async fn after_failure(&self, e: Option<&redis::RedisError>) {
+        if self.is_cluster()
+            && e.is_none_or(|e| {
+                e.is_io_error()
+                    || e.is_connection_dropped()
+                    || e.is_connection_refusal()
+                    || e.is_timeout()
+                    || e.is_cluster_error()
+            })
+        {
+            let _ = self.cluster_failing_since_ms.compare_exchange(
+                0,
+                wall_ms(),
+                std::sync::atomic::Ordering::Relaxed,
+                std::sync::atomic::Ordering::Relaxed,
+            );
+        }
         let Some(source) = &self.sentinel else {
             return;
         };
@@ -777,7 +845,17 @@ impl RedisStore {
         request: impl std::future::Future<Output = redis::RedisResult<T>>,
     ) -> Result<T, Unavailable> {
         match tokio::time::timeout(self.timeout, request).await {
-            Ok(Ok(answer)) => Ok(answer),
+            Ok(Ok(answer)) => {
+                if self
+                    .cluster_failing_since_ms
+                    .load(std::sync::atomic::Ordering::Relaxed)
+                    != 0
+                {
+                    self.cluster_failing_since_ms
+                        .store(0, std::sync::atomic::Ordering::Relaxed);
+                }
+                Ok(answer)
+            }
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, op = what, "redis call failed");
                 self.after_failure(Some(&e)).await;
@@ -1617,8 +1695,10 @@ impl Store for RedisStore {
     }
 
     async fn expire_due(&self) -> Result<u64, Unavailable> {
-        // The sweeper is what connects a store started without Redis.
+        // The sweeper is what connects a store started without Redis, and
+        // what replaces a cluster client that stays stuck.
         self.connect_now().await?;
+        self.heal_cluster().await;
         let (catalog, _) = self.snapshot();
         // One pipelined look at every group's earliest expiry and earliest
         // retention end; only the groups with something due get a script.

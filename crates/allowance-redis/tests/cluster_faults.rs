@@ -338,3 +338,84 @@ async fn a_late_settle_across_slots_records_once() {
     let st = store.status(&tool).await.expect("status");
     assert_eq!((st.limits[0].held, st.limits[0].used), (0, 6), "{st:?}");
 }
+
+/// A node killed (`kill -9`) and restarted on its port and data dir: the
+/// store answers again without a restart of its own, on the node's slots
+/// and across slots. (Found by an audit: the cluster client's slot refresh
+/// never completed, and every call answered 503 for good.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_answers_again_after_a_node_restarts() {
+    let Some(()) = redis_available() else { return };
+    let mut cluster = RedisCluster::start_with(
+        3,
+        allowance_testkit::RedisOptions {
+            appendonly: true,
+            appendfsync: "always",
+            ..Default::default()
+        },
+    );
+    let store = Arc::new(store_on(&cluster, "restart:", 500, clock(), 7).await);
+    // The server's sweeper, as in `allowance serve`.
+    let sweeper = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            loop {
+                let _ = store.expire_due().await;
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        })
+    };
+    let catalog = store.catalog().await.expect("catalog");
+    let (scopes, tenant_node, _) = tenant_elsewhere(&cluster, &catalog, "restart:");
+    let req = ReserveRequest::new(scopes.clone(), search_calls(&catalog, 1));
+    let before = store.reserve(&req).await.expect("before the restart");
+    store
+        .settle(before.id, &Usage::default())
+        .await
+        .expect("settled");
+
+    // Down for a while, with calls failing meanwhile (each one sends the
+    // cluster client looking for the slots again), then back.
+    tokio::task::block_in_place(|| cluster.nodes_mut()[tenant_node].kill9());
+    for _ in 0..5 {
+        assert!(
+            store.reserve(&req).await.is_err(),
+            "the tenant's node is down"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    tokio::task::block_in_place(|| cluster.nodes_mut()[tenant_node].restart());
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let ok = cluster.nodes().iter().all(|n| {
+            n.command(&["CLUSTER", "INFO"])
+                .is_ok_and(|i| i.lines().any(|l| l.trim_end() == "cluster_state:ok"))
+        });
+        if ok {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the cluster did not heal"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let last = match store.reserve(&req).await {
+            Ok(g) => {
+                store.refund(g.id).await.expect("refund after recovery");
+                break;
+            }
+            Err(e) => e,
+        };
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the store still fails 15 s after the node is back: {last:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let status = store.status(&scopes.as_slice()[0]).await.expect("status");
+    assert_eq!(status.held_reservations, 0, "{status:?}");
+    sweeper.abort();
+}
