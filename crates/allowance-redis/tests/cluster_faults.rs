@@ -419,3 +419,54 @@ async fn the_store_answers_again_after_a_node_restarts() {
     assert_eq!(status.held_reservations, 0, "{status:?}");
     sweeper.abort();
 }
+
+/// As above, with the shared group's node stopped for twice the store
+/// timeout (1 s at 500 ms), as an audit did through two `serve` processes
+/// and saw the late hold stay until its TTL: here, with the sweeper running,
+/// the release reaches the group once it wakes and nothing stays held. (The
+/// audit's case is not reproduced at the store level; REDIS-STORE.md keeps
+/// it as a known gap.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_hold_is_released_after_a_stop_longer_than_the_timeout() {
+    let Some(()) = redis_available() else { return };
+    let cluster = RedisCluster::start(3);
+    let clock = clock();
+    let prefix = "orphan2:";
+    let store = store_on(&cluster, prefix, 500, clock.clone(), 4).await;
+    let catalog = store.catalog().await.expect("catalog");
+    let (scopes, _tenant_node, tool_node) = tenant_elsewhere(&cluster, &catalog, prefix);
+    let tool = scopes.as_slice()[1].clone();
+    store.status(scopes.tenant()).await.expect("status");
+    store.status(&tool).await.expect("status");
+    let stopped = std::time::Instant::now();
+    cluster.nodes()[tool_node].stop();
+    let reserve = store
+        .reserve(&ReserveRequest::new(
+            scopes.clone(),
+            search_calls(&catalog, 40),
+        ))
+        .await;
+    tokio::time::sleep(Duration::from_millis(1_000).saturating_sub(stopped.elapsed())).await;
+    cluster.nodes()[tool_node].cont();
+    assert!(
+        matches!(reserve, Err(StoreError::Unavailable(_))),
+        "{reserve:?}"
+    );
+    // The sweeper runs; well within the hold's 5-minute TTL.
+    clock.advance_ms(10_000);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let _ = store.expire_due().await;
+        if let Ok(st) = store.status(&tool).await
+            && (st.held_reservations, st.limits[0].held) == (0, 0)
+        {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a hold stands on the shared scope without any reservation: {:?}",
+            store.status(&tool).await
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
