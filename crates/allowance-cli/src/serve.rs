@@ -89,25 +89,12 @@ fn configure(args: &ServeArgs) -> Result<Config, String> {
     Ok(config)
 }
 
-/// The gateway upstreams whose `api_key_env` names a variable that is not
-/// set (or empty) here, as `key … : …` messages.
+/// The gateway upstreams whose `api_key_env` is not set here (see
+/// [`allowance_server::gateway::unset_api_keys`]).
 pub(crate) fn unset_api_keys(config: &Config) -> Vec<String> {
-    let Some(g) = &config.gateway else {
-        return Vec::new();
-    };
-    g.upstreams
-        .iter()
-        .enumerate()
-        .filter_map(|(i, u)| {
-            let var = u.api_key_env.as_ref()?;
-            std::env::var(var).ok().filter(|v| !v.is_empty()).is_none().then(|| {
-                format!(
-                    "key `gateway.upstreams[{i}].api_key_env`: the environment variable {var} (upstream {:?}) is not set",
-                    u.name
-                )
-            })
-        })
-        .collect()
+    config.gateway.as_ref().map_or_else(Vec::new, |g| {
+        allowance_server::gateway::unset_api_keys(g, |name| std::env::var(name).ok())
+    })
 }
 
 fn credentials(config: &Config) -> Credentials {

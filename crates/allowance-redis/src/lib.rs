@@ -167,6 +167,22 @@ pub enum ConnectError {
     },
 }
 
+impl ConnectError {
+    /// What failed, without the URL (it may hold a password): for messages
+    /// that repeat, such as a reconnection's.
+    fn reason(self) -> String {
+        match self {
+            ConnectError::Unreachable { why, .. } | ConnectError::Url(why) => why,
+        }
+    }
+}
+
+/// Whether `e` says the server could not be reached or stopped answering
+/// (as opposed to an answer the server gave).
+fn connection_trouble(e: &redis::RedisError) -> bool {
+    e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() || e.is_timeout()
+}
+
 /// The catalog in force here: the configured one with the admin changes
 /// kept in Redis applied, and how many of them.
 struct Current {
@@ -181,8 +197,8 @@ pub struct RedisStore {
     conn: parking_lot::RwLock<Conn>,
     /// Set before a cluster connection is installed (never unset).
     cluster: std::sync::atomic::AtomicBool,
-    /// A [`connect_now`](RedisStore::connect_now) is dialing.
-    dialing: std::sync::atomic::AtomicBool,
+    /// Held while [`connect_now`](RedisStore::connect_now) dials.
+    dialing: tokio::sync::Mutex<()>,
     /// Cluster only: since when (ms since the epoch) calls have failed as
     /// if the cluster were unreachable, 0 while they succeed; the sweeper
     /// rebuilds the cluster client when this lasts ([`CLUSTER_HEAL_AFTER`]).
@@ -435,7 +451,7 @@ impl RedisStore {
         Ok(RedisStore {
             conn: parking_lot::RwLock::new(Conn::Down),
             cluster: std::sync::atomic::AtomicBool::new(false),
-            dialing: std::sync::atomic::AtomicBool::new(false),
+            dialing: tokio::sync::Mutex::new(()),
             cluster_failing_since_ms: std::sync::atomic::AtomicU64::new(0),
             cluster_rebuilt_at_ms: std::sync::atomic::AtomicU64::new(0),
             sentinel,
@@ -470,29 +486,20 @@ impl RedisStore {
     /// once connected. One attempt at a time: a call while another is
     /// dialing answers [`Unavailable`] at once.
     pub async fn connect_now(&self) -> Result<(), Unavailable> {
-        use std::sync::atomic::Ordering;
         if self.is_connected() {
             return Ok(());
         }
-        if self.dialing.swap(true, Ordering::AcqRel) {
+        let Ok(_dialing) = self.dialing.try_lock() else {
             return Err(Unavailable("redis: still connecting".into()));
-        }
-        struct Done<'a>(&'a std::sync::atomic::AtomicBool);
-        impl Drop for Done<'_> {
-            fn drop(&mut self) {
-                self.0.store(false, Ordering::Release);
-            }
-        }
-        let _done = Done(&self.dialing);
+        };
         if self.is_connected() {
             // Sentinel's failure path connected it meanwhile.
             return Ok(());
         }
-        let conn = self.dial().await.map_err(|e| match e {
-            // Without the URL: it may hold a password, and this repeats.
-            ConnectError::Unreachable { why, .. } => Unavailable(format!("redis: {why}")),
-            ConnectError::Url(why) => Unavailable(format!("redis: {why}")),
-        })?;
+        let conn = self
+            .dial()
+            .await
+            .map_err(|e| Unavailable(format!("redis: {}", e.reason())))?;
         self.install(conn);
         tracing::warn!(
             cluster = self.is_cluster(),
@@ -593,10 +600,10 @@ impl RedisStore {
             Ok(_) => tracing::error!(
                 "redis: the server at the configured URL is no longer a cluster node"
             ),
-            // The reason only: the URL may hold a password.
-            Err(ConnectError::Unreachable { why, .. } | ConnectError::Url(why)) => {
-                tracing::warn!(error = %why, "redis: rebuilding the cluster client failed; trying again later")
-            }
+            Err(e) => tracing::warn!(
+                error = %e.reason(),
+                "redis: rebuilding the cluster client failed; trying again later"
+            ),
         }
     }
 
@@ -622,15 +629,7 @@ impl RedisStore {
     /// asks the sentinels again — at most twice a second — and switches to
     /// the master they name.
     async fn after_failure(&self, e: Option<&redis::RedisError>) {
-        if self.is_cluster()
-            && e.is_none_or(|e| {
-                e.is_io_error()
-                    || e.is_connection_dropped()
-                    || e.is_connection_refusal()
-                    || e.is_timeout()
-                    || e.is_cluster_error()
-            })
-        {
+        if self.is_cluster() && e.is_none_or(|e| connection_trouble(e) || e.is_cluster_error()) {
             let _ = self.cluster_failing_since_ms.compare_exchange(
                 0,
                 wall_ms(),
@@ -642,12 +641,7 @@ impl RedisStore {
             return;
         };
         let moved = e.is_none_or(|e| {
-            e.is_io_error()
-                || e.is_connection_dropped()
-                || e.is_connection_refusal()
-                || e.is_timeout()
-                || e.is_unrecoverable_error()
-                || e.code() == Some("READONLY")
+            connection_trouble(e) || e.is_unrecoverable_error() || e.code() == Some("READONLY")
         });
         let now = wall_ms();
         let last = self
@@ -1105,6 +1099,8 @@ impl RedisStore {
             )));
         }
         let charged = res.charged.clone().unwrap_or_default();
+        // The key travels only with what it bound.
+        let keyed = res.idempotency_key.as_deref().zip(fingerprint);
         let mut estimate = self.estimate_ms();
         for _ in 0..MAX_ATTEMPTS {
             let (catalog, version) = self.snapshot();
@@ -1131,11 +1127,8 @@ impl RedisStore {
                 c: res.charged.as_ref().map(|c| named(&catalog, c)),
                 late: res.late.then_some(true),
                 ov: overrun_name(res.overrun),
-                ik: fingerprint.and(res.idempotency_key.as_deref().map(str::to_string)),
-                fp: res
-                    .idempotency_key
-                    .as_ref()
-                    .and(fingerprint.map(str::to_string)),
+                ik: keyed.map(|(key, _)| key.to_string()),
+                fp: keyed.map(|(_, fp)| fp.to_string()),
                 v: Some(1),
             });
             r.scopes = specs;

@@ -39,7 +39,7 @@
 //!   carries its `retry_after_ms` less the time since the store said it.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -134,8 +134,8 @@ struct State {
     tenants: HashMap<Arc<str>, TenantQ>,
     /// Waiters by the scope that refused them last.
     blocked: Blocked,
-    /// Waiters with an idempotency key, by [`waiting_key`].
-    keys: HashMap<String, u64>,
+    /// The [`waiting_key`]s of the waiters that have one.
+    keys: HashSet<String>,
     /// The virtual time of the latest admission: where a tenant that starts
     /// waiting joins.
     vclock: u128,
@@ -246,7 +246,7 @@ impl AdmissionQueue {
         if self.waiting.load(Ordering::SeqCst) == 0 {
             return false;
         }
-        waiting_key(req).is_some_and(|k| self.state.lock().keys.contains_key(&k))
+        waiting_key(req).is_some_and(|k| self.state.lock().keys.contains(&k))
     }
 
     /// Queues a waiter refused with `denial`; its outcome comes on `tx`.
@@ -264,7 +264,7 @@ impl AdmissionQueue {
         let tenant: Arc<str> = fair_tenant.unwrap_or_else(|| Arc::from(req.scopes.tenant_name()));
         let key = waiting_key(&req);
         let mut st = self.state.lock();
-        if key.as_ref().is_some_and(|k| st.keys.contains_key(k)) {
+        if key.as_ref().is_some_and(|k| st.keys.contains(k)) {
             return Err(NotQueued::Duplicate);
         }
         let tenant_depth = st.tenants.get(&tenant).map_or(0, |t| t.order.len());
@@ -274,7 +274,7 @@ impl AdmissionQueue {
         st.next_seq += 1;
         let seq = st.next_seq;
         if let Some(k) = &key {
-            st.keys.insert(k.clone(), seq);
+            st.keys.insert(k.clone());
         }
         let vclock = st.vclock;
         let resumed = if st.tenants.contains_key(&tenant) {

@@ -136,9 +136,13 @@ class AsyncClient:
         """Runs ``call`` in a task of its own, kept until done (``aclose``
         waits for it)."""
         task = asyncio.ensure_future(call)
+        self._keep(task)
+        return task
+
+    def _keep(self, task: asyncio.Future[Any]) -> None:
+        """Keeps ``task`` referenced until done (``aclose`` waits for it)."""
         self._background.add(task)
         task.add_done_callback(self._background_done)
-        return task
 
     async def _to_the_end(self, call: Awaitable[T]) -> T:
         """Awaits ``call``, which runs to its end even if the caller is
@@ -151,8 +155,7 @@ class AsyncClient:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             if not task.done():
-                self._background.add(task)
-                task.add_done_callback(self._background_done)
+                self._keep(task)
             raise
 
     def _background_done(self, task: asyncio.Future[Any]) -> None:

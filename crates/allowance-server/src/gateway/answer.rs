@@ -237,43 +237,28 @@ pub(crate) fn ratelimit_headers(
     flavor: Flavor,
 ) -> HeaderMap {
     let mut h = HeaderMap::new();
-    for (dimension, word) in [("requests", "requests"), ("tokens", "tokens")] {
-        let of_dimension = remaining.iter().filter(|r| r.dimension == dimension);
+    for word in ["requests", "tokens"] {
+        let of_dimension = remaining.iter().filter(|r| r.dimension == word);
         let Some(r) = crate::headers::tightest(of_dimension) else {
             continue;
         };
-        let left = r.remaining.max(0).to_string();
         let reset_ms = r
             .resets_at
             .map(|at| at.as_millis().saturating_sub(now.as_millis()));
-        match flavor {
-            Flavor::OpenAi => {
-                insert(
-                    &mut h,
-                    &format!("x-ratelimit-limit-{word}"),
-                    &r.capacity.to_string(),
-                );
-                insert(&mut h, &format!("x-ratelimit-remaining-{word}"), &left);
-                if let Some(ms) = reset_ms {
-                    insert(
-                        &mut h,
-                        &format!("x-ratelimit-reset-{word}"),
-                        &go_duration(ms),
-                    );
-                }
-            }
-            Flavor::Anthropic => {
-                let base = format!("anthropic-ratelimit-{word}");
-                insert(&mut h, &format!("{base}-limit"), &r.capacity.to_string());
-                insert(&mut h, &format!("{base}-remaining"), &left);
-                if let Some(ms) = reset_ms
-                    && let Ok(ts) = jiff::Timestamp::from_millisecond((now.as_millis() + ms) as i64)
-                {
-                    let ts = ts.round(jiff::Unit::Second).unwrap_or(ts);
-                    insert(&mut h, &format!("{base}-reset"), &ts.to_string());
-                }
-            }
-        }
+        // Anthropic's reset is an instant, to the second.
+        let reset_at = reset_ms.and_then(|ms| {
+            let ts = jiff::Timestamp::from_millisecond((now.as_millis() + ms) as i64).ok()?;
+            Some(ts.round(jiff::Unit::Second).unwrap_or(ts).to_string())
+        });
+        limit_headers(
+            &mut h,
+            flavor,
+            word,
+            r.capacity,
+            r.remaining,
+            reset_ms,
+            reset_at,
+        );
     }
     h
 }
@@ -283,30 +268,50 @@ pub(crate) fn ratelimit_headers(
 /// is left (none, or less than asked) and when a retry can pass (OpenAI: a
 /// duration; Anthropic: the instant the window frees room).
 fn denial_ratelimit_headers(h: &mut HeaderMap, d: &DenialBody, flavor: Flavor) {
-    let word = match d.dimension.as_str() {
-        "requests" => "requests",
-        "tokens" => "tokens",
-        _ => return,
-    };
-    let left = d.remaining.max(0).to_string();
+    if matches!(d.dimension.as_str(), "requests" | "tokens") {
+        limit_headers(
+            h,
+            flavor,
+            &d.dimension,
+            d.capacity,
+            d.remaining,
+            d.retry_after_ms,
+            d.resets_at.clone(),
+        );
+    }
+}
+
+/// One limit's rate-limit headers in `flavor`'s names: `x-ratelimit-*-{word}`
+/// with a duration reset (`reset_ms`), or `anthropic-ratelimit-{word}-*`
+/// with an instant (`reset_at`, RFC 3339).
+fn limit_headers(
+    h: &mut HeaderMap,
+    flavor: Flavor,
+    word: &str,
+    capacity: u64,
+    remaining: i64,
+    reset_ms: Option<u64>,
+    reset_at: Option<String>,
+) {
+    let left = remaining.max(0).to_string();
     match flavor {
         Flavor::OpenAi => {
             insert(
                 h,
                 &format!("x-ratelimit-limit-{word}"),
-                &d.capacity.to_string(),
+                &capacity.to_string(),
             );
             insert(h, &format!("x-ratelimit-remaining-{word}"), &left);
-            if let Some(ms) = d.retry_after_ms {
+            if let Some(ms) = reset_ms {
                 insert(h, &format!("x-ratelimit-reset-{word}"), &go_duration(ms));
             }
         }
         Flavor::Anthropic => {
             let base = format!("anthropic-ratelimit-{word}");
-            insert(h, &format!("{base}-limit"), &d.capacity.to_string());
+            insert(h, &format!("{base}-limit"), &capacity.to_string());
             insert(h, &format!("{base}-remaining"), &left);
-            if let Some(at) = &d.resets_at {
-                insert(h, &format!("{base}-reset"), at);
+            if let Some(at) = reset_at {
+                insert(h, &format!("{base}-reset"), &at);
             }
         }
     }

@@ -63,6 +63,30 @@ impl std::fmt::Debug for Gateway {
     }
 }
 
+/// The upstreams whose `api_key_env` names a variable `env` does not have
+/// (or has empty), as `key … : …` messages, in order: what
+/// [`Gateway::new`] refuses, for `serve` to refuse before anything starts
+/// and `check-config` to warn of.
+pub fn unset_api_keys(
+    settings: &GatewaySettings,
+    env: impl Fn(&str) -> Option<String>,
+) -> Vec<String> {
+    settings
+        .upstreams
+        .iter()
+        .enumerate()
+        .filter_map(|(i, u)| {
+            let var = u.api_key_env.as_ref()?;
+            env(var).filter(|k| !k.is_empty()).is_none().then(|| {
+                format!(
+                    "key `gateway.upstreams[{i}].api_key_env`: the environment variable {var} (upstream {:?}) is not set",
+                    u.name
+                )
+            })
+        })
+        .collect()
+}
+
 impl Gateway {
     /// Resolves `[gateway]`, reading each upstream's `api_key_env` from the
     /// environment. A named variable that is not set is an error: calls
@@ -76,19 +100,14 @@ impl Gateway {
         settings: &GatewaySettings,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Gateway, String> {
+        if let Some(unset) = unset_api_keys(settings, &env).into_iter().next() {
+            return Err(unset);
+        }
         let mut upstreams = Vec::new();
         let mut routes = HashMap::new();
         let mut wildcard = None;
         for (i, u) in settings.upstreams.iter().enumerate() {
-            let api_key = match &u.api_key_env {
-                Some(var) => Some(env(var).filter(|k| !k.is_empty()).ok_or_else(|| {
-                    format!(
-                        "gateway.upstreams[{i}].api_key_env: the environment variable {var} (upstream {:?}) is not set",
-                        u.name
-                    )
-                })?),
-                None => None,
-            };
+            let api_key = u.api_key_env.as_deref().and_then(&env);
             for m in &u.models {
                 if m == "*" {
                     wildcard = Some(i);
