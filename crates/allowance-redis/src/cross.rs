@@ -93,12 +93,14 @@ impl RedisStore {
         groups: &[(String, Vec<usize>)],
         specs: &[ScopeSpec],
         fin: &'static str,
+        at_ms: Option<u64>,
     ) -> Result<(), Unavailable> {
         let calls = groups.iter().map(|(base, idx)| {
             let mut r = self.req("fend", catalog);
             r.b = Some(base.clone());
             r.id = Some(id.to_string());
             r.fin = Some(fin);
+            r.at = at_ms;
             r.scopes = idx.iter().map(|&i| specs[i].clone()).collect();
             async move { self.call(base, &r).await }
         });
@@ -248,7 +250,7 @@ impl RedisStore {
         }
         let compensate = |why: &str| {
             tracing::debug!(why, "releasing the shared holds of a refused reservation");
-            self.fend_all(catalog, &ids, &held_somewhere, specs, "release")
+            self.fend_all(catalog, &ids, &held_somewhere, specs, "release", None)
         };
         if failed.is_some() || again || !denials.is_empty() {
             compensate("a shared group refused").await?;
@@ -385,7 +387,7 @@ impl RedisStore {
         );
         let groups = shared_groups(&specs);
         if !groups.is_empty() {
-            self.fend_all(catalog, &rec.id, &groups, &specs, fin)
+            self.fend_all(catalog, &rec.id, &groups, &specs, fin, None)
                 .await?;
         }
         self.pdone(catalog, res.id.tag(), &rec.id).await

@@ -34,7 +34,11 @@
 //!   expired reservation is recorded by Redis). [`Store::expire_due`], which
 //!   the server's sweeper calls every 250 ms, runs it after Redis's own
 //!   sweep succeeds, so it happens as soon as Redis answers again. A HELD
-//!   local reservation stays local until it ends. While an expired
+//!   local reservation stays local until it ends, but Redis counts its room
+//!   meanwhile: the same sweep gives it a shadow hold there
+//!   ([`RedisStore::shadow`]: its amounts on its scopes until its expiry,
+//!   sent again after a local extend), which its import replaces — so
+//!   other instances admit only what is left beside it. While an expired
 //!   reservation is being imported, a (late) settle of it answers 503 for
 //!   that moment, so the import never misses it.
 //! - **What Redis sees** — local usage counts in Redis's windows from the
@@ -108,6 +112,9 @@ struct Entry {
     /// What its idempotency key binds, as Redis records it (carried into
     /// Redis with the import).
     fingerprint: Option<String>,
+    /// The expiry and amounts of the shadow hold Redis has confirmed for
+    /// it while it is held here ([`RedisStore::shadow`]), if any.
+    shadowed: Option<(Timestamp, Amounts)>,
 }
 
 #[derive(Default)]
@@ -127,6 +134,10 @@ impl State {
         }
     }
 }
+
+/// An ended local reservation to import, with what its idempotency key
+/// binds.
+type Ended = (Reservation, Option<String>);
 
 /// A tenant's idempotency key as one map key.
 fn idem_key(tenant: &str, key: &str) -> String {
@@ -201,26 +212,44 @@ impl FailOpenLocal {
     }
 
     /// Imports into Redis the local reservations that have ended (at most
-    /// a batch per call), each forgotten locally once Redis has it; returns
-    /// how many were imported. Stops at the first import Redis cannot
-    /// answer (the rest wait for the next call).
+    /// a batch per call), each forgotten locally once Redis has it, and
+    /// gives each one still held a shadow hold there (or brings its shadow
+    /// up to date after an extend), so that Redis counts its room until it
+    /// ends; returns how many were imported. Reports the first call Redis
+    /// could not answer (the rest wait for the next call).
     pub async fn reconcile(&self) -> Result<usize, Unavailable> {
-        let batch = self.take_ended();
-        if batch.is_empty() {
+        let (batch, held) = self.take_ended();
+        if batch.is_empty() && held.is_empty() {
             return Ok(0);
         }
         let mut guard = Importing {
             owner: self,
             ids: batch.iter().map(|(r, _)| r.id).collect(),
         };
-        let results = futures_util::future::join_all(
+        let imports = futures_util::future::join_all(
             batch
                 .iter()
                 .map(|(r, fingerprint)| self.redis.import(r, fingerprint.as_deref())),
-        )
-        .await;
+        );
+        let shadows = futures_util::future::join_all(held.iter().map(|r| self.redis.shadow(r)));
+        let (results, shadowed) = futures_util::future::join(imports, shadows).await;
         let mut done = Vec::new();
         let mut failed = None;
+        for (res, result) in held.iter().zip(shadowed) {
+            match result {
+                Ok(()) => {
+                    if let Some(e) = self.state.lock().pending.get_mut(&res.id) {
+                        e.shadowed = Some((res.expires_at, res.held.clone()));
+                    }
+                }
+                Err(StoreError::Unavailable(e)) => {
+                    failed.get_or_insert(e);
+                }
+                Err(StoreError::Rejected(e)) => {
+                    tracing::error!(id = %res.id, error = %e, "Redis refused a shadow hold for a reservation admitted locally");
+                }
+            }
+        }
         for ((res, _), result) in batch.iter().zip(results) {
             match result {
                 Ok(()) => done.push(res.id),
@@ -258,15 +287,17 @@ impl FailOpenLocal {
     }
 
     /// The local reservations that have ended, marked as being imported,
-    /// each with what its idempotency key binds.
-    fn take_ended(&self) -> Vec<(Reservation, Option<String>)> {
+    /// each with what its idempotency key binds; and those still held whose
+    /// shadow hold in Redis is missing or out of date.
+    fn take_ended(&self) -> (Vec<Ended>, Vec<Reservation>) {
         let mut st = self.state.lock();
         let State { local, pending, .. } = &mut *st;
         let Some(local) = local else {
-            return Vec::new();
+            return (Vec::new(), Vec::new());
         };
         let now = self.clock.now();
         let mut out = Vec::new();
+        let mut held = Vec::new();
         let mut lost = Vec::new();
         for (id, entry) in pending.iter_mut() {
             if entry.importing {
@@ -280,7 +311,15 @@ impl FailOpenLocal {
                         break;
                     }
                 }
-                Some(_) => {}
+                Some(r) => {
+                    let current = entry
+                        .shadowed
+                        .as_ref()
+                        .is_some_and(|(x, h)| *x == r.expires_at && *h == r.held);
+                    if !current && held.len() < RECONCILE_BATCH {
+                        held.push(r);
+                    }
+                }
                 None => lost.push(*id),
             }
         }
@@ -289,7 +328,7 @@ impl FailOpenLocal {
             tracing::error!(%id, "a reservation admitted locally was forgotten before Redis came back: its usage is lost");
             st.forget(id);
         }
-        out
+        (out, held)
     }
 
     /// Notes that Redis answered: an outage, if any, is over.
@@ -388,6 +427,7 @@ impl FailOpenLocal {
                         importing: false,
                         key,
                         fingerprint,
+                        shadowed: None,
                     },
                 );
                 self.admitted.fetch_add(1, Ordering::Relaxed);

@@ -399,11 +399,13 @@ end
 -- when the reservation still `held`, takes its hold (amounts `h`, id `id`)
 -- off: the settle of `scopes` ({b, n, ...} each). Every scope is read before
 -- the first write: a corrupted one fails the script with nothing changed.
-local function record_charges(scopes, h, id, held)
+local function record_charges(scopes, h, id, held, at)
   local loaded = {}
   for i, sc in ipairs(scopes) do loaded[i] = load_scope(sc) end
   for _, s in ipairs(loaded) do
-    for li, L in ipairs(s.lims) do record(s.states[li], L.a or 0) end
+    for li, L in ipairs(s.lims) do
+      if at then record_at(s.states[li], L, L.a or 0, at) else record(s.states[li], L.a or 0) end
+    end
     if held then
       s.S.hc = s.S.hc - 1
       add_map(s.S.h, h, -1)
@@ -427,6 +429,13 @@ end
 
 local function expire(rec, base)
   release(rec, base)
+  if rec.sh then
+    -- A shadow hold (ops.shadow) only ever held room: it ends without a
+    -- trace, its reservation is recorded by its import.
+    redis.call('DEL', base .. ':r:' .. rec.id)
+    redis.call('ZREM', base .. ':x', rec.id)
+    return
+  end
   rec.st = 'expired'
   rec.e = rec.x
   -- Retention counts from the expiry itself, as in the engine.
@@ -542,7 +551,9 @@ local function load_record(base, id)
   if not raw then return nil end
   local rec = decode(raw, rkey)
   if rec.st == 'held' and rec.x <= now then expire(rec, base) end
-  if forgotten(rec) then return nil end
+  -- A shadow hold is not a reservation of Redis's: its id answers as
+  -- unknown here (its reservation lives in the instance that admitted it).
+  if rec.sh or forgotten(rec) then return nil end
   return rec
 end
 
@@ -769,7 +780,7 @@ function ops.peek()
   local raw = redis.call('GET', rkey)
   if not raw then return reply({t = 'nf'}) end
   local rec = decode(raw, rkey)
-  if forgotten(rec) then return reply({t = 'nf'}) end
+  if rec.sh or forgotten(rec) then return reply({t = 'nf'}) end
   return reply({t = 'ok', rec = rec, now = now})
 end
 
@@ -804,12 +815,16 @@ function ops.import()
   local rec = req.rec
   local rkey = base .. ':r:' .. rec.id
   local raw = redis.call('GET', rkey)
+  local shadow
   if raw then
     -- Imported already — unless as expired, and settled late since (an
     -- import whose answer was lost, then a local late settle): the settle
-    -- comes in now, once, as a late settle would.
+    -- comes in now, once, as a late settle would. A shadow hold of it is
+    -- replaced by what it became.
     local old = decode(raw, rkey)
-    if not (old.st == 'expired' and rec.st == 'settled') then
+    if old.sh then
+      if old.st == 'held' then shadow = old end
+    elseif not (old.st == 'expired' and rec.st == 'settled') then
       return reply({t = 'ok', dup = true})
     end
   end
@@ -826,6 +841,13 @@ function ops.import()
   for _, sc in ipairs(req.scopes) do observe_scope(sc) end
   local scopes = {}
   for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
+  if shadow then
+    -- Read before: the scopes were all loaded above, so nothing fails
+    -- from here on.
+    release(shadow, base)
+    redis.call('ZREM', base .. ':x', rec.id)
+    for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
+  end
   for _, s in ipairs(scopes) do
     for li, L in ipairs(s.lims) do record_at(s.states[li], L, L.a or 0, rec.e) end
     save_scope(s)
@@ -834,6 +856,48 @@ function ops.import()
   redis.call('SET', rkey, pack(rec))
   if take_key then redis.call('SET', ikey, rec.id) end
   if rec.st ~= 'held' then usage_event(rec.st, rec.e, rec) end
+  return reply({t = 'ok'})
+end
+
+-- Holds room in Redis for a reservation still HELD in an instance that
+-- admitted it locally (fail_open_local) while Redis was away, so that
+-- Redis counts it until it ends: its import (ops.import) then replaces the
+-- shadow, and if it never comes (the instance died) the shadow expires with
+-- the reservation's own expiry, without a trace. No limit is checked: the
+-- reservation was admitted already. Sent again after a local extend, it
+-- replaces the shadow's amounts and expiry; once the reservation is in
+-- Redis for real (imported), it changes nothing.
+function ops.shadow()
+  if not calendars_hold(req.scopes) then return reply({t = 'cal', now = now}) end
+  local base = req.b
+  local rec = req.rec
+  local rkey = base .. ':r:' .. rec.id
+  local raw = redis.call('GET', rkey)
+  local old
+  if raw then
+    old = decode(raw, rkey)
+    if not old.sh then return reply({t = 'ok', dup = true}) end
+  end
+  for _, sc in ipairs(req.scopes) do observe_scope(sc) end
+  local scopes = {}
+  for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
+  if old and old.st == 'held' then
+    release(old, base)
+    redis.call('DEL', rkey)
+    redis.call('ZREM', base .. ':x', rec.id)
+    for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
+  end
+  if rec.x <= now then return reply({t = 'ok'}) end
+  for _, s in ipairs(scopes) do
+    s.S.hc = s.S.hc + 1
+    add_map(s.S.h, rec.h, 1)
+    redis.call('ZADD', s.hkey, I(rec.x), rec.id)
+    save_scope(s)
+  end
+  rec.st = 'held'
+  rec.sh = true
+  redis.call('SET', rkey, pack(rec))
+  redis.call('ZADD', base .. ':x', I(rec.x), rec.id)
   return reply({t = 'ok'})
 end
 
@@ -922,7 +986,8 @@ function ops.fend()
   if req.fin == 'release' and not held then return reply({t = 'ok'}) end
   if f and f.st == 'released' and req.fin == 'settle' then held = false end
   if req.fin == 'settle' then
-    record_charges(req.scopes, f and f.h, req.id, held)
+    -- An import (`at`: when it was used) counts from then, as ops.import.
+    record_charges(req.scopes, f and f.h, req.id, held, req.at)
   else
     drop_hold(req.scopes, f.h, req.id)
   end

@@ -1106,9 +1106,25 @@ impl RedisStore {
             let (catalog, version) = self.snapshot();
             let keys = res.scopes.as_slice();
             let settled = res.status == Status::Settled;
-            let specs = self.specs(&catalog, keys, estimate, |d, spec| {
+            let mut specs = self.specs(&catalog, keys, estimate, |d, spec| {
                 spec.a = Some(if settled { recorded(d, &charged) } else { 0 });
             });
+            let bases: Vec<String> = specs.iter().map(|s| s.b.clone()).collect();
+            if self.is_cluster() {
+                // A shared scope lives in its group's slot, out of the
+                // tenant script's reach: its charges are recorded there
+                // first (idempotent by id), then the tenant's part, so a
+                // retry after a failure between the two records nothing
+                // twice. Nothing was held there: only a settle records.
+                let groups = cross::shared_groups(&specs);
+                if settled && !groups.is_empty() {
+                    let end_ms = res.ended_at.unwrap_or(res.expires_at).as_millis();
+                    let id = res.id.to_string();
+                    self.fend_all(&catalog, &id, &groups, &specs, "settle", Some(end_ms))
+                        .await?;
+                }
+                specs.retain(|s| !cross::is_shared_base(&s.b));
+            }
             let mut r = self.req("import", &catalog);
             r.cv = Some(version);
             r.b = Some(base.clone());
@@ -1116,7 +1132,7 @@ impl RedisStore {
                 id: res.id.to_string(),
                 st: res.status.as_str().to_string(),
                 sc: keys.iter().map(|k| k.as_str().to_string()).collect(),
-                sb: specs.iter().map(|s| s.b.clone()).collect(),
+                sb: bases,
                 tn: tenant.to_string(),
                 m: res.model.as_deref().map(str::to_string),
                 lb: res.labels.as_ref().map(|l| l.to_vec()),
@@ -1139,6 +1155,72 @@ impl RedisStore {
             return match reply.t.as_str() {
                 "ok" => Ok(()),
                 t => Err(Self::corrupt(format!("an answer {t:?} to an import")).into()),
+            };
+        }
+        Err(Self::give_up().into())
+    }
+
+    /// Holds room in Redis for a reservation still HELD outside it
+    /// (admitted under `fail_open_local` while Redis was unreachable), so
+    /// that Redis counts its hold until it ends: a **shadow hold** on its
+    /// scopes, with its amounts and expiry, checked against no limit (it was
+    /// admitted already). Its id stays unknown to every other operation; the
+    /// reservation's [`import`](RedisStore::import) replaces the shadow, and
+    /// if none ever comes (the instance died) the shadow expires with the
+    /// reservation, leaving no trace. Sent again (after a local extend), it
+    /// takes the new amounts and expiry; after the import it changes nothing.
+    ///
+    /// On a cluster only the scopes in the tenant's slot are shadowed (a
+    /// shared scope lives in another slot, which one script cannot reach).
+    pub(crate) async fn shadow(&self, res: &Reservation) -> Result<(), StoreError<Invalid>> {
+        if res.status != Status::Held {
+            return Err(StoreError::Rejected(Invalid::new(
+                "status",
+                "only a held reservation can be shadowed",
+            )));
+        }
+        let tenant = res.scopes.tenant_name();
+        let base = self.tenant_base(ReservationId::tenant_tag(tenant));
+        if res.id.tag() != ReservationId::tenant_tag(tenant) {
+            return Err(StoreError::Rejected(Invalid::new(
+                "id",
+                "the id was not minted for this tenant",
+            )));
+        }
+        let cluster = self.is_cluster();
+        let keys: Vec<ScopeKey> = res
+            .scopes
+            .as_slice()
+            .iter()
+            .filter(|k| !cluster || self.scope_base(k) == base)
+            .cloned()
+            .collect();
+        let mut estimate = self.estimate_ms();
+        for _ in 0..MAX_ATTEMPTS {
+            let (catalog, version) = self.snapshot();
+            let specs = self.specs(&catalog, &keys, estimate, |_, _| {});
+            let mut r = self.req("shadow", &catalog);
+            r.cv = Some(version);
+            r.b = Some(base.clone());
+            r.rec = Some(Rec {
+                id: res.id.to_string(),
+                sc: keys.iter().map(|k| k.as_str().to_string()).collect(),
+                sb: specs.iter().map(|s| s.b.clone()).collect(),
+                tn: tenant.to_string(),
+                h: named(&catalog, &res.held),
+                cr: Some(res.created_at.as_millis()),
+                x: Some(res.expires_at.as_millis()),
+                ov: overrun_name(res.overrun),
+                ..Rec::default()
+            });
+            r.scopes = specs;
+            let reply = self.call(&base, &r).await?;
+            if self.again(&reply, &mut estimate).await? {
+                continue;
+            }
+            return match reply.t.as_str() {
+                "ok" => Ok(()),
+                t => Err(Self::corrupt(format!("an answer {t:?} to a shadow hold")).into()),
             };
         }
         Err(Self::give_up().into())

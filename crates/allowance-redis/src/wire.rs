@@ -76,6 +76,9 @@ pub(crate) struct Req<'a> {
     /// fend: `settle` or `release`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fin: Option<&'static str>,
+    /// fend of an import: the instant the usage happened (ms).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub at: Option<u64>,
     /// fextend: take back a raise, restoring the expiry `ox`.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub undo: bool,

@@ -379,3 +379,52 @@ async fn a_cross_slot_extend_is_all_or_nothing() {
         "expired in its group too"
     );
 }
+
+/// A reservation admitted locally under `fail_open_local` (here: made on
+/// an embedded ledger of the same catalog) and settled there is imported
+/// into a cluster with its shared scope: the tool's usage is recorded in
+/// the tool's own slot, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_import_records_a_shared_scope_in_its_own_slot() {
+    let Some(()) = redis_available() else { return };
+    let cluster = RedisCluster::start(3);
+    let clock = Arc::new(ManualClock::new(Timestamp::from_millis(catalogs::START_MS)));
+    let store = OnCluster {
+        url: cluster.urls()[0].clone(),
+        prefix: "imported:".into(),
+    }
+    .make(catalogs::standard(), clock)
+    .await;
+    let catalog = store.catalog().await.expect("catalog");
+    let scopes = catalog
+        .scope_set("acme", &[("tool", "search")])
+        .expect("scopes");
+    let local = allowance_core::SharedLedger::new(catalogs::standard(), 4);
+    let now = Timestamp::from_millis(catalogs::START_MS);
+    let id = allowance_core::ReservationId::mint(1, "acme");
+    local
+        .reserve(
+            now,
+            id,
+            &ReserveRequest::new(scopes.clone(), search_calls(&catalog, 3)),
+        )
+        .expect("granted locally");
+    let usage = allowance_core::Usage {
+        amounts: search_calls(&catalog, 2),
+        ..allowance_core::Usage::default()
+    };
+    local.settle(now, id, &usage).expect("settled locally");
+    let settled = local.get(now, id).expect("the local record");
+    store.import_ended(&settled).await.expect("imported");
+    store.import_ended(&settled).await.expect("imported again");
+    let tool = &scopes.as_slice()[1];
+    let st = store.status(tool).await.expect("status");
+    let calls = st
+        .limits
+        .iter()
+        .find(|l| l.dimension == "search_calls")
+        .expect("the tool's limit");
+    assert_eq!((calls.used, calls.held), (2, 0), "{st:?}");
+    let imported = store.get(id).await.expect("get").expect("the record");
+    assert_eq!(imported.status, allowance_core::Status::Settled);
+}

@@ -348,7 +348,7 @@ async fn fail_open_local_admits_at_most_the_emergency_limits() {
 async fn a_held_local_reservation_stays_local_until_it_ends() {
     let Some(()) = redis_available() else { return };
     let mut server = RedisServer::start();
-    let (fo, _clock) = store(&server).await;
+    let (fo, clock) = store(&server).await;
     let c = catalog();
     blocking(|| server.kill9());
 
@@ -368,17 +368,52 @@ async fn a_held_local_reservation_stays_local_until_it_ends() {
     assert_eq!(fo.pending_reconciliation(), 1, "still held: not imported");
     let replay = fo.reserve(&req).await.unwrap();
     assert_eq!((replay.id, replay.replayed), (g.id, true));
+    // Redis counts its hold (a shadow), though the id is not Redis's.
     assert_eq!(fo.redis().get(g.id).await.unwrap(), None);
+    let acme = ScopeKey::tenant("acme").unwrap();
+    assert_eq!(
+        tokens_of(&fo.redis().status(&acme).await.unwrap()),
+        (900, 0, 100)
+    );
+    assert!(matches!(
+        fo.redis().settle(g.id, &usage(1)).await,
+        Err(StoreError::Rejected(SettleError::NotFound))
+    ));
+    // Another instance can admit only what is left beside it.
+    let other = fo.redis().reserve(&request(&c, "acme", 901)).await;
+    assert!(
+        matches!(other, Err(StoreError::Rejected(ReserveError::Denied(_)))),
+        "{other:?}"
+    );
+    let other = fo.redis().reserve(&request(&c, "acme", 900)).await.unwrap();
+    fo.redis().refund(other.id).await.unwrap();
+    // A longer ttl given locally moves the shadow's expiry with it.
+    let extended = fo
+        .extend(g.id, None, Some(600_000))
+        .await
+        .unwrap()
+        .expires_at;
+    fo.expire_due().await.unwrap();
+    clock.set(allowance_core::Timestamp::from_millis(
+        g.expires_at.as_millis() + 1,
+    ));
+    fo.redis().expire_due().await.unwrap();
+    assert_eq!(
+        tokens_of(&fo.redis().status(&acme).await.unwrap()),
+        (900, 0, 100)
+    );
+    assert!(extended.as_millis() > g.expires_at.as_millis() + 1);
 
     let settled = fo.settle(g.id, &usage(70)).await.unwrap();
     assert_eq!(settled.status, Status::Settled);
     reconcile_all(&fo).await;
-    let st = fo
-        .redis()
-        .status(&ScopeKey::tenant("acme").unwrap())
-        .await
-        .unwrap();
+    // The import replaced the shadow: its hold is gone, its usage counts.
+    let st = fo.redis().status(&acme).await.unwrap();
     assert_eq!(tokens_of(&st), (930, 70, 0));
+    assert_eq!(
+        usage_by_id(fo.redis(), "acme").await.get(&g.id),
+        Some(&vec![UsageKind::Settled])
+    );
     assert_eq!(
         fo.redis().get(g.id).await.unwrap().map(|r| r.status),
         Some(Status::Settled)
@@ -392,6 +427,38 @@ async fn a_held_local_reservation_stays_local_until_it_ends() {
         fo.settle(ReservationId::mint(7, "acme"), &usage(1)).await,
         Err(StoreError::Rejected(SettleError::NotFound))
     ));
+}
+
+/// The shadow hold of a reservation whose instance died before it ended
+/// (its local ledger is gone) holds room until the reservation's expiry,
+/// then leaves no trace: no usage, no usage-log record, no record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shadow_hold_of_an_instance_that_died_expires_without_a_trace() {
+    let Some(()) = redis_available() else { return };
+    let mut server = RedisServer::start();
+    let (fo, clock) = store(&server).await;
+    let c = catalog();
+    blocking(|| server.kill9());
+    let g = fo.reserve(&request(&c, "acme", 40)).await.unwrap();
+    blocking(|| server.restart());
+    let started = Instant::now();
+    while fo.expire_due().await.is_err() {
+        assert!(started.elapsed() < RECOVERY, "Redis did not come back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let redis = fo.redis().clone();
+    drop(fo);
+    let acme = ScopeKey::tenant("acme").unwrap();
+    assert_eq!(tokens_of(&redis.status(&acme).await.unwrap()), (960, 0, 40));
+    assert_eq!(redis.stats().await.unwrap().held_reservations, 1);
+
+    clock.set(g.expires_at);
+    redis.expire_due().await.unwrap();
+    assert_eq!(tokens_of(&redis.status(&acme).await.unwrap()), (1000, 0, 0));
+    assert_eq!(redis.get(g.id).await.unwrap(), None);
+    assert!(usage_by_id(&redis, "acme").await.is_empty());
+    let stats = redis.stats().await.unwrap();
+    assert_eq!((stats.held_reservations, stats.expired_total), (0, 0));
 }
 
 // Edges found by review: what a settle answered 200 while the reservation
@@ -538,7 +605,10 @@ async fn a_hung_redis_does_not_cost_every_reserve_the_timeout() {
         fo.reserve(&request(&c, "acme", 1))
             .await
             .unwrap_or_else(|e| panic!("local reserve #{i}: {e:?}"));
-        if started.elapsed() >= Duration::from_millis(250) {
+        // Without the breaker every one waits out the whole 500 ms timeout;
+        // with it, the grace (a loaded machine can add to that, but it
+        // cannot make a wait shorter than the timeout).
+        if started.elapsed() >= Duration::from_millis(490) {
             slow.push((i, started.elapsed()));
         }
     }
@@ -547,7 +617,7 @@ async fn a_hung_redis_does_not_cost_every_reserve_the_timeout() {
     // Redis only the grace.
     assert!(
         slow.iter().all(|&(i, _)| i == 0),
-        "reserves after the first waited ≥ 250 ms (the timeout is 500 ms, the grace {:?}): {slow:?}",
+        "reserves after the first waited out the 500 ms timeout (the grace is {:?}): {slow:?}",
         allowance_redis::OUTAGE_GRACE
     );
 
