@@ -842,3 +842,61 @@ async fn held_amounts_sent_back_are_accepted() {
         .expect(200);
     assert_eq!(settled.json["charged"]["requests"], 1, "{}", settled.json);
 }
+
+/// A reserve naming a priced model and no output bound holds the model's
+/// `max_output_tokens` (gpt-4o: 16,384 in the starter) and its cost; an
+/// explicit `output_tokens` (0 included), `tokens` or `cost_micros` is the
+/// caller's own estimate and is kept as given. (Found by an audit: the
+/// bound was held by the gateway only, so such a reserve held no output.)
+#[tokio::test]
+async fn a_model_without_an_output_bound_holds_the_models() {
+    let s = Server::start();
+    let held = |amounts: Value| {
+        let s = &s;
+        async move {
+            s.post(
+                "/v1/reservations",
+                None,
+                &json!({"tenant": "acme", "model": "gpt-4o", "amounts": amounts}),
+            )
+            .await
+            .expect(201)
+            .json["held"]
+                .clone()
+        }
+    };
+    let h = held(json!({"input_tokens": 100})).await;
+    assert_eq!(h["output_tokens"], 16_384, "{h}");
+    assert_eq!(h["tokens"], 16_484, "{h}");
+    // 100 × 2.50 + 16,384 × 10.00 per million, rounded up: 164,090.
+    assert_eq!(h["cost_micros"], 164_090, "{h}");
+    let h = held(json!({"input_tokens": 100, "output_tokens": 0})).await;
+    assert_eq!(
+        (h.get("output_tokens"), &h["tokens"]),
+        (None, &json!(100)),
+        "{h}"
+    );
+    assert_eq!(h["cost_micros"], 250, "{h}");
+    let h = held(json!({"input_tokens": 100, "tokens": 500})).await;
+    assert_eq!(
+        (h.get("output_tokens"), &h["tokens"]),
+        (None, &json!(500)),
+        "{h}"
+    );
+    let h = held(json!({"input_tokens": 100, "cost_micros": 9})).await;
+    assert_eq!(
+        (h.get("output_tokens"), &h["cost_micros"]),
+        (None, &json!(9)),
+        "{h}"
+    );
+    // Without a model there is no bound to hold.
+    let r = s
+        .post(
+            "/v1/reservations",
+            None,
+            &json!({"tenant": "acme", "amounts": {"input_tokens": 100}}),
+        )
+        .await
+        .expect(201);
+    assert_eq!(r.json["held"].get("output_tokens"), None, "{}", r.json);
+}

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use allowance_core::{
-    Catalog, Charge, DenialKind, Granted, Reservation, ReservationId, ReserveError, ReserveRequest,
-    ScopeKey, StoreError, Unavailable, Usage,
+    Catalog, Charge, DenialKind, Dimension, Granted, Reservation, ReservationId, ReserveError,
+    ReserveRequest, ScopeKey, StoreError, Unavailable, Usage,
 };
 use axum::Router;
 use axum::extract::{Path, State};
@@ -125,7 +125,20 @@ fn reserve_request(
         .collect();
     let scopes = catalog.scope_set(&body.tenant, &pairs)?;
     crate::wire::check_implied(&body.amounts, "amounts", true)?;
-    let amounts = amounts_of(&body.amounts, catalog, "amounts")?;
+    let mut amounts = amounts_of(&body.amounts, catalog, "amounts")?;
+    // A call that names no output bound holds the model's (SEMANTICS, the
+    // model table) — unless the caller gave its own estimate of the tokens
+    // or the cost, which the bound would only inflate. Only a key absent
+    // from the body counts as naming none: `"output_tokens": 0` is a bound.
+    if let Some(price) = body.model.as_deref().and_then(|m| catalog.model(m))
+        && !body
+            .amounts
+            .0
+            .iter()
+            .any(|(name, _)| matches!(name.as_str(), "output_tokens" | "tokens" | "cost_micros"))
+    {
+        amounts.set(Dimension::OUTPUT_TOKENS, price.max_output_tokens);
+    }
     let mut req = ReserveRequest::new(scopes, amounts);
     req.model = body.model.map(Arc::from);
     req.ttl_ms = body.ttl_ms.map(|t| t.0);
