@@ -129,6 +129,73 @@ pub(crate) async fn plan_change_keeps_history(h: Harness) {
     );
 }
 
+/// A sliding limit whose slices alone change keeps its history (SEMANTICS:
+/// the dimension, window and period are unchanged), cut into the new
+/// slices: each old slice's usage counts as if used at the last instant
+/// that slice could have held it (at most now), then leaves as the new
+/// window lets it. (Found by an audit: the history was dropped, so a scope
+/// could spend its capacity again within the period.)
+pub(crate) async fn plan_change_reslices_a_sliding_window(h: Harness) {
+    let sliding = |slices| {
+        let plan = Plan::new(
+            "tenant",
+            vec![limit(
+                Dimension::TOKENS,
+                100_000,
+                Window::Sliding {
+                    period_ms: HOUR_MS,
+                    slices,
+                },
+            )],
+            OverrunPolicy::ChargeActual,
+        )
+        .expect("a valid plan");
+        CatalogChange::SetPlan(plan)
+    };
+    let figures = async || {
+        h.figures("tenant:acme", "tokens", WindowKind::Sliding)
+            .await
+    };
+    change(&h, sliding(60)).await;
+    h.spend("acme", &[], tokens(30_000)).await;
+    h.set_ms(25 * MINUTE_MS);
+    h.spend("acme", &[], tokens(20_000)).await;
+
+    // Coarser: 6 slices of 10 minutes.
+    // A plan change reaches the scope's history at its next write (see the
+    // next case): a granted reserve at minute 30.
+    h.set_ms(30 * MINUTE_MS);
+    change(&h, sliding(6)).await;
+    let moved = h.hold("acme", &[], tokens(1)).await;
+    h.refund(moved).await;
+    assert_eq!(figures().await, (50_000, 0, 50_000), "the history is kept");
+    let d = h.deny(&h.request("acme", &[], tokens(50_001)).await).await;
+    assert_eq!((d.kind, d.remaining), (DenialKind::RateLimited, 50_000));
+    // 30,000 (minute 0) in the slice of minutes 0–10, 20,000 (minute 25)
+    // in that of minutes 20–30: they leave at minutes 60 and 80.
+    h.set_ms(60 * MINUTE_MS - 1);
+    assert_eq!(figures().await.0, 50_000);
+    h.set_ms(60 * MINUTE_MS);
+    assert_eq!(figures().await.0, 20_000);
+    h.set_ms(80 * MINUTE_MS);
+    assert_eq!(figures().await.0, 0);
+
+    // Finer: 60 slices again. 10,000 used at minute 85 (in the slice of
+    // minutes 80–90, the current one at minute 86) count as used at minute
+    // 86, so they stay a whole period after they were used.
+    h.set_ms(85 * MINUTE_MS);
+    h.spend("acme", &[], tokens(10_000)).await;
+    h.set_ms(86 * MINUTE_MS);
+    change(&h, sliding(60)).await;
+    let moved = h.hold("acme", &[], tokens(1)).await;
+    h.refund(moved).await;
+    assert_eq!(figures().await, (10_000, 0, 90_000));
+    h.set_ms(146 * MINUTE_MS - 1);
+    assert_eq!(figures().await.0, 10_000);
+    h.set_ms(146 * MINUTE_MS);
+    assert_eq!(figures().await.0, 0);
+}
+
 /// A plan change reaches a scope's history at the scope's next write (a
 /// granted reserve, a settle, a growing extend, an adjustment): until then
 /// the plan it was on governs, so a bucket whose capacity falls refills at

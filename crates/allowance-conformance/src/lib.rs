@@ -179,6 +179,7 @@ macro_rules! every_case {
             dry_run_changes_nothing,
             dry_run_answers_like_reserve,
             plan_change_keeps_history,
+            plan_change_reslices_a_sliding_window,
             plan_change_reaches_a_scope_at_its_next_write,
             plan_change_keeps_live_promises,
             override_and_clear,
@@ -238,6 +239,7 @@ pub fn cases() -> Vec<Case> {
         case!(idempotency::dry_run_changes_nothing, standard),
         case!(idempotency::dry_run_answers_like_reserve, standard),
         case!(admin::plan_change_keeps_history, standard),
+        case!(admin::plan_change_reslices_a_sliding_window, standard),
         case!(
             admin::plan_change_reaches_a_scope_at_its_next_write,
             standard

@@ -271,4 +271,16 @@ impl Limit {
     pub(crate) fn same_history(&self, other: &Limit) -> bool {
         self.dimension == other.dimension && self.window == other.window
     }
+
+    /// Whether `other` is this sliding limit with only its slices changed:
+    /// the same dimension and period, so its history is carried over, cut
+    /// into the new slices ([`crate::window::reslice`]).
+    pub(crate) fn reslices(&self, other: &Limit) -> bool {
+        match (&self.window, &other.window) {
+            (Window::Sliding { period_ms: a, .. }, Window::Sliding { period_ms: b, .. }) => {
+                self.dimension == other.dimension && a == b
+            }
+            _ => false,
+        }
+    }
 }

@@ -18,7 +18,7 @@ use smallvec::SmallVec;
 
 use crate::catalog::Catalog;
 use crate::heap::{Entry, IndexedHeap};
-use crate::limit::Limit;
+use crate::limit::{Limit, Window};
 use crate::plan::{KindLimit, Plan};
 use crate::records::Records;
 use crate::reservation::{Reservation, ReservationId, Status};
@@ -152,13 +152,34 @@ impl ScopeState {
             .map(|e| std::mem::take(&mut e.wide))
             .unwrap_or_default();
         let mut fresh: SmallVec<[usize; 4]> = SmallVec::new();
+        // Sliding limits whose slices alone changed: their history, cut anew.
+        let mut carried: SmallVec<[(usize, Vec<u64>); 1]> = SmallVec::new();
+        let old_plan = self.plan.clone();
+        let mut old_wide = old_wide;
         for (j, limit) in plan.limits().iter().enumerate() {
-            let Some(i) = self
-                .plan
-                .limits()
-                .iter()
-                .position(|o| o.same_history(limit))
-            else {
+            let Some(i) = old_plan.limits().iter().position(|o| o.same_history(limit)) else {
+                // The finest such window, if several (as the Redis store picks).
+                let finest = (0..old_plan.limits().len())
+                    .filter(|&i| old_plan.limits()[i].reslices(limit))
+                    .max_by_key(|&i| match old_plan.limits()[i].window() {
+                        Window::Sliding { slices, .. } => *slices,
+                        _ => 0,
+                    });
+                if let Some(i) = finest {
+                    let n = window::words_for(old_plan.limits()[i].window());
+                    let from = old_plan.offsets[i] as usize;
+                    let mut old = window::State {
+                        limit: &old_plan.limits()[i],
+                        words: &mut self.words[from..from + n],
+                        wide: old_wide
+                            .iter_mut()
+                            .find(|(k, _)| usize::from(*k) == i)
+                            .map(|(_, w)| &mut w[..]),
+                    };
+                    if let Some(c) = window::reslice(&mut old, limit, now_ms) {
+                        carried.push((j, c));
+                    }
+                }
                 fresh.push(j);
                 continue;
             };
@@ -175,6 +196,17 @@ impl ScopeState {
         self.wide_mask = wide.iter().fold(0, |m, (k, _)| m | (1 << k));
         if !wide.is_empty() {
             self.extra.get_or_insert_with(Default::default).wide = wide;
+        }
+        for (j, c) in carried {
+            if !self.state(j).take_slices(&c) {
+                self.extra
+                    .get_or_insert_with(Default::default)
+                    .wide
+                    .push((j as u8, vec![0; c.len()].into_boxed_slice()));
+                self.wide_mask |= 1 << j;
+                let taken = self.state(j).take_slices(&c);
+                debug_assert!(taken, "wide slices take any amount");
+            }
         }
         self.trim_extra();
     }

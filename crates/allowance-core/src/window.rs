@@ -155,6 +155,67 @@ impl Slices<'_> {
     }
 }
 
+/// A sliding window's history carried into a window of the same dimension
+/// and period cut into another number of slices (a plan change that only
+/// moves `slices` keeps the history, SEMANTICS "Plan"): each old slice's
+/// usage counts as if used at the last instant that slice could have held
+/// it (its end, or `now_ms`), in the new slice holding that instant (never
+/// before the new window's oldest slice): with finer slices none of it
+/// leaves before a whole period after it was used; with coarser ones it
+/// leaves by the new window's own rounding, as new usage would. `old` is
+/// advanced to `now_ms`; returns the new slices by ring position.
+pub(crate) fn reslice(old: &mut State<'_>, new: &Limit, now_ms: u64) -> Option<Vec<u64>> {
+    let (
+        Fast::Sliding {
+            width_ms: w0,
+            slices: n0,
+        },
+        Fast::Sliding {
+            width_ms: w1,
+            slices: n1,
+        },
+    ) = (old.limit.fast, new.fast)
+    else {
+        return None;
+    };
+    let mut out = vec![0u64; n1 as usize];
+    let cur = now_ms / w1;
+    let oldest_new = cur.saturating_add(1).saturating_sub(n1);
+    let sl = old.slices();
+    let s1 = now_ms / w0;
+    for k in s1.saturating_add(1).saturating_sub(n0)..=s1 {
+        let v = sl.get((k % n0) as usize);
+        if v == 0 {
+            continue;
+        }
+        let last = k
+            .saturating_add(1)
+            .saturating_mul(w0)
+            .saturating_sub(1)
+            .min(now_ms);
+        let k1 = (last / w1).max(oldest_new);
+        let slot = &mut out[(k1 % n1) as usize];
+        *slot = slot.saturating_add(v);
+    }
+    Some(out)
+}
+
+impl State<'_> {
+    /// Puts carried-over slices (by ring position, from [`reslice`]) into
+    /// this sliding window, set up empty at the same instant; `false`, and
+    /// nothing changed, when one needs more than a narrow slice (the caller
+    /// gives the limit wide slices and tries again).
+    pub(crate) fn take_slices(&mut self, carried: &[u64]) -> bool {
+        let mut sl = self.slices();
+        if carried.iter().enumerate().any(|(i, &v)| !sl.set(i, v)) {
+            sl.clear();
+            return false;
+        }
+        self.words[0] = carried.iter().fold(0u64, |t, &v| t.saturating_add(v));
+        true
+    }
+}
+
 /// `capacity − held − requested`, or `None` when it would be negative (the
 /// request cannot fit whatever the window's usage).
 #[inline(always)]

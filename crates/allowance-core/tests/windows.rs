@@ -1957,15 +1957,17 @@ fn plan_change_keeps_history_where_the_window_is_unchanged() {
             expect(T, "tokens").holding(0).remaining(200),
         ],
     );
-    // Engine's choice: the same period with other slices is another window
-    // (its slices do not line up), so its history starts empty too.
+    // The same period with other slices is the same window (SEMANTICS:
+    // dimension, window, period): its history is kept, cut into the new
+    // slices (ENGINE-CHOICES "Plans"), once a write moves the scope.
     check(
         setup().kind("tenant", vec![sliding("tokens", 100, 60_000, 60)]),
         vec![
             reserve("r", "t", &[], &[("tokens", 80)]),
             settle("r", &[("tokens", 80)]),
             set_plan("tenant", cc, vec![sliding("tokens", 100, 60_000, 30)]),
-            expect(T, "tokens").used(0),
+            expect(T, "tokens").used(80).remaining(20),
+            reserve("x", "t", &[], &[("tokens", 21)]).denied(rate_limited(T, "tokens", 60_000)),
         ],
     );
 }

@@ -286,6 +286,33 @@ end
 -- from the Rust side), advanced to now. Windows of limits no longer in the
 -- plan are dropped when it is stored; those whose dimension and window stay
 -- keep their history (the limit's id names both).
+-- A sliding limit whose slices alone changed (same dimension and period)
+-- keeps its history, cut into the new slices as the engine does
+-- (window::reslice): each old slice's usage goes to the new slice holding
+-- its last instant (at most now; never before the new window's oldest), so
+-- none leaves the window earlier than it would have. The finest old window
+-- of that dimension and period is the one carried.
+local function resliced(S, L, from)
+  local best
+  for id, o in pairs(S.l) do
+    if o.k == 's' and o.w * o.n == L.w * L.n and string.sub(id, 1, #L.d + 1) == L.d .. '|'
+      and (best == nil or o.n > best.n) then
+      best = o
+    end
+  end
+  if best == nil then return nil end
+  advance(best, L, from, now)
+  local st = fresh(L)
+  local oldest = floor(now / L.w) - L.n + 1
+  for slice, v in pairs(best.s) do
+    local k = floor(min((slice + 1) * best.w - 1, now) / L.w)
+    if k < oldest then k = oldest end
+    st.s[k] = (st.s[k] or 0) + v
+    st.t = st.t + v
+  end
+  return st
+end
+
 local function load_scope(sc)
   local key = sc.b .. ':s:' .. sc.n
   local raw = redis.call('GET', key)
@@ -295,6 +322,7 @@ local function load_scope(sc)
   local from = S.at
   for i, L in ipairs(sc.lims) do
     local st = S.l[L.id]
+    if st == nil and L.k == 's' then st = resliced(S, L, from) end
     if st == nil then st = fresh(L) end
     advance(st, L, from, now)
     states[i] = st
