@@ -252,22 +252,21 @@ pub(crate) async fn extend_amounts_all_or_nothing(h: Harness) {
     );
 
     let before = (h.get(id).await, h.statuses(&names).await);
+    // With its own 15,000, 6,000 more pass the agent's whole 20,000: it can
+    // never fit (a retry at its own expiry would find it ended).
     let ExtendError::Denied(d) = h.extend_err(id, Some(&tokens(6_000)), None).await else {
         panic!("6,000 more tokens do not fit the agent")
     };
     assert_eq!(
         (d.kind, d.scope.as_str(), d.dimension.as_str()),
-        (DenialKind::RateLimited, "tenant:acme/agent:a1", "tokens")
+        (DenialKind::ExceedsLimit, "tenant:acme/agent:a1", "tokens")
     );
     assert_eq!(
         (d.capacity, d.remaining, d.requested),
-        (20_000, 5_000, 6_000)
+        (20_000, 5_000, 21_000),
+        "requested: the whole hold it asked for"
     );
-    assert_eq!(
-        (d.retry_after_ms, d.resets_at),
-        (Some(DEFAULT_TTL_MS), Some(at(DAY_MS))),
-        "only holds block: retry at the earliest expiry"
-    );
+    assert_eq!((d.retry_after_ms, d.resets_at), (None, Some(at(DAY_MS))));
     assert_eq!(
         (h.get(id).await, h.statuses(&names).await),
         before,
@@ -288,6 +287,25 @@ pub(crate) async fn extend_amounts_all_or_nothing(h: Harness) {
         before,
         "nothing changed"
     );
+
+    // Another reservation's hold blocks what would fit beside its own:
+    // rate limited, until the earliest hold ends.
+    h.set_ms(1_000);
+    let other = h.hold("acme", &others, tokens(3_000)).await;
+    let ExtendError::Denied(d) = h.extend_err(id, Some(&tokens(2_500)), None).await else {
+        panic!("2,500 more tokens do not fit beside the other hold")
+    };
+    assert_eq!(
+        (d.kind, d.scope.as_str(), d.remaining, d.requested),
+        (
+            DenialKind::RateLimited,
+            "tenant:acme/agent:a1",
+            2_000,
+            2_500
+        )
+    );
+    assert_eq!(d.retry_after_ms, Some(DEFAULT_TTL_MS - 1_000));
+    h.refund(other).await;
 
     // tokens are derived from input + output, as at reserve.
     let io = Amounts::new()

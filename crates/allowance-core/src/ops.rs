@@ -126,7 +126,10 @@ fn sat_i64(v: i128) -> i64 {
 /// (its windows advanced to `now`; the fast path found some limit that does
 /// not fit), keeping the binding denial in `best`. With `only_positive`,
 /// limits asked for nothing are skipped (an extend raising one dimension is
-/// not refused by another).
+/// not refused by another). `own` is what the reservation being extended
+/// holds already: a raise that with it would pass a limit's whole capacity
+/// can never fit, whatever the others do (`exceeds_limit`, its `requested`
+/// the reservation's whole hold), rather than a retry at its own expiry.
 #[cold]
 #[inline(never)]
 fn check_scope(
@@ -134,7 +137,7 @@ fn check_scope(
     scope: usize,
     now: u64,
     requested: &impl Fn(Dimension) -> u64,
-    only_positive: bool,
+    (only_positive, own): (bool, Option<&Amounts>),
     best: &mut Option<Candidate>,
 ) {
     for li in 0..st.plan.limits().len() {
@@ -142,11 +145,12 @@ fn check_scope(
             let l = &st.plan.limits()[li];
             (l.dimension(), l.capacity())
         };
-        let req = requested(dim);
+        let mut req = requested(dim);
         if only_positive && req == 0 {
             continue;
         }
         let held = st.held(dim);
+        let own_held = own.map_or(0, |o| o.get(dim));
         if st.state(li).fits(req, held) {
             continue;
         }
@@ -160,6 +164,9 @@ fn check_scope(
             continue;
         }
         let (kind_of, retry) = if req > cap {
+            (DenialKind::ExceedsLimit, None)
+        } else if req.saturating_add(own_held) > cap {
+            req = req.saturating_add(own_held);
             (DenialKind::ExceedsLimit, None)
         } else if held <= cap && req <= cap - held {
             // Would fit were the holds gone: usage must leave the window.
@@ -442,7 +449,7 @@ impl<'a> Locked<'a> {
         scopes: &ScopeSet,
         now: u64,
         requested: &impl Fn(Dimension) -> u64,
-        only_positive: bool,
+        (only_positive, own): (bool, Option<&Amounts>),
         slots: &mut [u32; MAX_SCOPES_LIMIT],
         moved: &mut Moved,
     ) -> Option<Box<Denial>> {
@@ -462,7 +469,7 @@ impl<'a> Locked<'a> {
                     i,
                     now,
                     requested,
-                    only_positive,
+                    (only_positive, own),
                     &mut best,
                 );
             }
@@ -554,9 +561,14 @@ impl<'a> Locked<'a> {
         let requested = |d: Dimension| if d.is_implied() { 1 } else { held.get(d) };
         let mut slots = [NO_SLOT; MAX_SCOPES_LIMIT];
         let mut moved = Moved::new();
-        if let Some(denial) =
-            self.check(&req.scopes, now, &requested, false, &mut slots, &mut moved)
-        {
+        if let Some(denial) = self.check(
+            &req.scopes,
+            now,
+            &requested,
+            (false, None),
+            &mut slots,
+            &mut moved,
+        ) {
             self.unsync(&req.scopes, &slots, moved);
             return Err(ReserveError::Denied(denial));
         }
@@ -791,12 +803,13 @@ impl<'a> Locked<'a> {
         let catalog = self.catalog;
         check_extend(catalog, amounts, ttl_ms)?;
         let ri = self.home().records.find(id).ok_or(ExtendError::NotFound)?;
-        let (status, model, scopes) = {
+        let (status, model, scopes, own) = {
             let rec = self.home().records.at(ri);
             (
                 rec.res.status,
                 rec.res.model.clone(),
                 rec.res.scopes.clone(),
+                rec.res.held.clone(),
             )
         };
         if status != Status::Held {
@@ -807,8 +820,14 @@ impl<'a> Locked<'a> {
             let requested = |d: Dimension| if d.is_implied() { 0 } else { delta.get(d) };
             let mut slots = [NO_SLOT; MAX_SCOPES_LIMIT];
             let mut moved = Moved::new();
-            if let Some(denial) = self.check(&scopes, now, &requested, true, &mut slots, &mut moved)
-            {
+            if let Some(denial) = self.check(
+                &scopes,
+                now,
+                &requested,
+                (true, Some(&own)),
+                &mut slots,
+                &mut moved,
+            ) {
                 self.unsync(&scopes, &slots, moved);
                 return Err(ExtendError::Denied(denial));
             }

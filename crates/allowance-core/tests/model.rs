@@ -787,6 +787,7 @@ impl Model {
         scopes: &[usize],
         requested: &dyn Fn(Dimension) -> u64,
         only_positive: bool,
+        own: Option<&Amounts>,
     ) -> Option<Denial> {
         let rank = |k: DenialKind| match k {
             DenialKind::ExceedsLimit => 2,
@@ -796,10 +797,13 @@ impl Model {
         let mut best: Option<Denial> = None;
         for (i, &s) in scopes.iter().enumerate() {
             for l in &self.view(s).limits {
-                let req = requested(l.dim);
+                let mut req = requested(l.dim);
                 if only_positive && req == 0 {
                     continue;
                 }
+                // An extend: what the reservation holds already counts
+                // towards the whole capacity it can never pass.
+                let own = own.map_or(0, |o| o.get(l.dim));
                 let used = self.used(s, l);
                 let held = self.held(s, l.dim);
                 let room = i128::from(l.cap) - used - i128::from(held);
@@ -807,6 +811,9 @@ impl Model {
                     continue;
                 }
                 let (kind, retry) = if req > l.cap {
+                    (DenialKind::ExceedsLimit, None)
+                } else if u128::from(req) + u128::from(own) > u128::from(l.cap) {
+                    req += own;
                     (DenialKind::ExceedsLimit, None)
                 } else if u128::from(req) + u128::from(held) <= u128::from(l.cap) {
                     // It would fit were the holds gone: usage must leave.
@@ -959,7 +966,7 @@ impl Model {
             return Err(ReserveError::DuplicateId);
         }
         let requested = |d: Dimension| if d.is_implied() { 1 } else { held.get(d) };
-        if let Some(denial) = self.check(&req.scopes, scopes, &requested, false) {
+        if let Some(denial) = self.check(&req.scopes, scopes, &requested, false, None) {
             return Err(ReserveError::Denied(Box::new(denial)));
         }
         let expires_at = ts(now + ttl_ms);
@@ -1167,7 +1174,13 @@ impl Model {
         });
         if !delta.is_empty() {
             let requested = |d: Dimension| if d.is_implied() { 0 } else { delta.get(d) };
-            if let Some(d) = self.check(&rec.res.scopes, &rec.scopes, &requested, true) {
+            if let Some(d) = self.check(
+                &rec.res.scopes,
+                &rec.scopes,
+                &requested,
+                true,
+                Some(&rec.res.held),
+            ) {
                 return Err(ExtendError::Denied(Box::new(d)));
             }
             for s in rec.scopes.clone() {

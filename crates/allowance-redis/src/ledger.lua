@@ -595,8 +595,11 @@ local function beats(c, b)
 end
 
 -- The binding denial among every limit of every scope (nil: all fit).
--- With only_positive, limits asked for nothing are skipped (an extend).
-local function check(scopes, only_positive)
+-- With only_positive, limits asked for nothing are skipped (an extend);
+-- `own` (by dimension name) is what the extended reservation holds already:
+-- a raise that with it passes a whole capacity can never fit (exceeds, its
+-- q the whole hold), as in the engine's check_scope.
+local function check(scopes, only_positive, own)
   local best
   for si, x in ipairs(scopes) do
     for li, L in ipairs(x.lims) do
@@ -609,8 +612,13 @@ local function check(scopes, only_positive)
         if q > room then
           local e = earliest(x.hkey)
           local kind, ra
+          local o = 0
+          if own then o = own[L.d] or 0 end
           if q > L.c then
             kind = 'exceeds'
+          elseif q + o > L.c then
+            kind = 'exceeds'
+            q = q + o
           elseif held <= L.c and q <= L.c - held then
             local ms = ms_until(st, L.c - held - q)
             if ms then kind = 'rate'; ra = max(ms, 1) else kind = 'budget' end
@@ -769,7 +777,7 @@ function ops.extend()
   if grow then
     local scopes = {}
     for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
-    local denial = check(scopes, true)
+    local denial = check(scopes, true, rec.h)
     if denial then return reply({t = 'deny', d = denial}) end
     for _, s in ipairs(scopes) do
       add_map(s.S.h, req.h, 1)
@@ -1047,7 +1055,7 @@ function ops.fextend()
   if grow and not req.undo then
     local scopes = {}
     for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
-    local denial = check(scopes, true)
+    local denial = check(scopes, true, f.h)
     if denial then return reply({t = 'deny', d = denial}) end
     for _, s in ipairs(scopes) do
       add_map(s.S.h, req.h, 1)
