@@ -218,6 +218,10 @@ impl Table {
 }
 
 /// `json` (an object) padded with spaces before its last `}` to `len` bytes.
+fn valid_plan_body() -> &'static str {
+    r#"{"limits": [{"dimension": "tokens", "capacity": 1000, "window": "total"}]}"#
+}
+
 fn padded(json: &str, len: usize) -> String {
     let cut = json.rfind('}').expect("an object");
     assert!(json.len() <= len, "the body is already longer than {len}");
@@ -870,6 +874,37 @@ fn build(held: &str) -> Table {
             400,
             "invalid_request",
             Some("scope"),
+        );
+    }
+
+    // ---- a path parameter that is not UTF-8 once percent-decoded: the
+    // API's error shape naming `path` (it was axum's plain text).
+    for (method, path, body) in [
+        ("GET", "/v1/scopes/tenant:a%ff", None),
+        ("GET", "/v1/reservations/%ff", None),
+        (
+            "POST",
+            "/v1/reservations/%ff/settle",
+            Some(r#"{"usage": {}}"#),
+        ),
+        ("POST", "/v1/reservations/%c3%28/refund", None),
+        (
+            "POST",
+            "/v1/reservations/%ff/extend",
+            Some(r#"{"ttl_ms": 1}"#),
+        ),
+        ("PUT", "/v1/plans/%ff", Some(valid_plan_body())),
+        ("DELETE", "/v1/scopes/tenant:acme/user:%ff/override", None),
+    ] {
+        t.row(
+            &format!("{method} {path}: not UTF-8"),
+            method,
+            path,
+            body.map(|_| "application/json"),
+            body,
+            400,
+            "invalid_request",
+            Some("path"),
         );
     }
 

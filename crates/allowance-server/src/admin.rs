@@ -6,7 +6,7 @@ use std::sync::Arc;
 use allowance_config::{LimitSpec, PlanSpec, plan_from_spec, plan_to_spec};
 use allowance_core::{Catalog, CatalogChange, Override, Plan};
 use axum::Router;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, put};
@@ -15,7 +15,7 @@ use utoipa::ToSchema;
 
 use crate::AppState;
 use crate::error::{ApiError, ErrorBody, IntoApiError};
-use crate::extract::JsonBody;
+use crate::extract::{JsonBody, PathText};
 use crate::routes::{measured, scope_for};
 use crate::wire::{AdjustBody, MAX_REASON_BYTES, ScopeOverrideBody, ScopeStatusView};
 
@@ -131,7 +131,7 @@ where
 pub(crate) async fn put_plan(
     State(state): State<AppState>,
     headers: HeaderMap,
-    Path(name): Path<String>,
+    PathText(name): PathText,
     body: Result<JsonBody<PlanSpec>, ApiError>,
 ) -> Response {
     measured("admin", async {
@@ -211,7 +211,7 @@ fn split(rest: &str) -> ScopePath<'_> {
 async fn scope_get(
     State(state): State<AppState>,
     headers: HeaderMap,
-    Path(rest): Path<String>,
+    PathText(rest): PathText,
 ) -> Response {
     match split(&rest) {
         ScopePath::Scope(s) => crate::routes::scope_status(state, headers, s.to_string()).await,
@@ -236,7 +236,7 @@ async fn status_view(
 pub(crate) async fn scope_put(
     State(state): State<AppState>,
     headers: HeaderMap,
-    Path(rest): Path<String>,
+    PathText(rest): PathText,
     body: Result<JsonBody<ScopeOverrideBody>, ApiError>,
 ) -> Response {
     let ScopePath::Scope(raw) = split(&rest) else {
@@ -302,7 +302,7 @@ pub(crate) async fn scope_put(
 pub(crate) async fn scope_delete(
     State(state): State<AppState>,
     headers: HeaderMap,
-    Path(rest): Path<String>,
+    PathText(rest): PathText,
 ) -> Response {
     let ScopePath::Override(raw) = split(&rest) else {
         return scope_method_not_allowed(&rest).into_response();
@@ -335,7 +335,7 @@ pub(crate) async fn scope_delete(
 pub(crate) async fn scope_post(
     State(state): State<AppState>,
     headers: HeaderMap,
-    Path(rest): Path<String>,
+    PathText(rest): PathText,
     body: Result<JsonBody<AdjustBody>, ApiError>,
 ) -> Response {
     let ScopePath::Adjust(raw) = split(&rest) else {

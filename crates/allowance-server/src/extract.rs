@@ -3,8 +3,9 @@
 //! (inclusive: exactly the limit passes), 400 naming the field otherwise.
 
 use axum::body::Body;
-use axum::extract::{FromRequest, Request};
+use axum::extract::{FromRequest, FromRequestParts, Path, Request};
 use axum::http::header::CONTENT_TYPE;
+use axum::http::request::Parts;
 use serde::de::DeserializeOwned;
 
 use crate::error::ApiError;
@@ -197,5 +198,23 @@ impl<S: Send + Sync, T: DeserializeOwned + Default> FromRequest<S> for OptionalJ
         }
         require_object(&bytes)?;
         parse(&bytes).map(OptionalJsonBody)
+    }
+}
+
+/// A path's one parameter as text (`/v1/reservations/{id}`, a scope, a
+/// plan's name). A parameter that is not UTF-8 once percent-decoded
+/// (`%ff`) is a 400 in the API's error shape naming `path`: axum's own
+/// answer is plain text.
+#[derive(Debug)]
+pub struct PathText(pub String);
+
+impl<S: Send + Sync> FromRequestParts<S> for PathText {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        match Path::<String>::from_request_parts(parts, state).await {
+            Ok(Path(text)) => Ok(PathText(text)),
+            Err(e) => Err(ApiError::invalid(Some("path".into()), e.body_text())),
+        }
     }
 }

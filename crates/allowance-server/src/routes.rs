@@ -9,14 +9,14 @@ use allowance_core::{
     ReserveRequest, ScopeKey, StoreError, Unavailable, Usage,
 };
 use axum::Router;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 
 use crate::auth::{Caller, Principal};
 use crate::error::{ApiError, ErrorBody, IntoApiError};
-use crate::extract::{JsonBody, OptionalJsonBody};
+use crate::extract::{JsonBody, OptionalJsonBody, PathText};
 use crate::wire::{
     ExtendBody, RefundBody, ReservationView, ReserveBody, ScopeStatusView, SettleBody, amounts_of,
 };
@@ -232,7 +232,7 @@ pub(crate) fn reserve(
 pub(crate) fn get_reservation(
     State(state): State<AppState>,
     Caller(who): Caller,
-    Path(id): Path<String>,
+    PathText(id): PathText,
 ) -> impl Future<Output = Response> {
     measured("get", async move {
         let who = who?;
@@ -281,7 +281,7 @@ fn usage_of(body: SettleBody, catalog: &Catalog) -> Result<Usage, ApiError> {
 pub(crate) fn settle(
     State(state): State<AppState>,
     Caller(who): Caller,
-    Path(id): Path<String>,
+    PathText(id): PathText,
     body: Result<JsonBody<SettleBody>, ApiError>,
 ) -> impl Future<Output = Response> {
     measured("settle", async move {
@@ -312,7 +312,7 @@ pub(crate) fn settle(
 pub(crate) fn refund(
     State(state): State<AppState>,
     Caller(who): Caller,
-    Path(id): Path<String>,
+    PathText(id): PathText,
     body: Result<OptionalJsonBody<RefundBody>, ApiError>,
 ) -> impl Future<Output = Response> {
     measured("refund", async move {
@@ -346,7 +346,7 @@ pub(crate) fn refund(
 pub(crate) fn extend(
     State(state): State<AppState>,
     Caller(who): Caller,
-    Path(id): Path<String>,
+    PathText(id): PathText,
     body: Result<JsonBody<ExtendBody>, ApiError>,
 ) -> impl Future<Output = Response> {
     measured("extend", async move {
@@ -696,7 +696,7 @@ mod tests {
             clock,
         );
         let admin = || Caller(Ok(Principal::Admin));
-        let id = || Path(String::from("rsv_00000000000000000000000000000001"));
+        let id = || PathText(String::from("rsv_00000000000000000000000000000001"));
         let body: ReserveBody =
             serde_json::from_str(r#"{"tenant": "a", "amounts": {"tokens": 1}}"#).unwrap();
         let sizes = [
