@@ -684,6 +684,30 @@ async fn anthropic_errors_name_the_offending_field() {
     assert_eq!(gw.stub.stats().total, 0);
 }
 
+/// A scope header that repeats what the gateway key fixes agrees with it
+/// and is accepted, whether or not the kind is one the client may add
+/// (GATEWAY.md); another value is a 403. (Found by an audit: agreeing
+/// with the key's own user was refused.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scope_header_agreeing_with_the_key_is_accepted() {
+    let gw = Gw::start(Setup::new("agreeing")).await;
+    let r = read(
+        gw.post("/v1/chat/completions")
+            .header("x-allowance-user", "bob")
+            .json(&chat("hi", 5)),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let r = read(
+        gw.post("/v1/chat/completions")
+            .header("x-allowance-user", "mallory")
+            .json(&chat("hi", 5)),
+    )
+    .await;
+    assert_eq!(r.status, 403, "{}", r.text);
+    assert_eq!(gw.stub.stats().total, 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_empty_scope_header_is_a_clean_error() {
     // `X-Allowance-` with nothing after the prefix is a valid header name.

@@ -383,15 +383,19 @@ fn scopes_of(key: &GatewayKey, headers: &HeaderMap) -> Result<Vec<(String, Strin
             kind[..1].to_ascii_uppercase(),
             &kind[1..]
         );
-        if !key.client_scopes.iter().any(|k| k == kind) {
+        let id = value
+            .to_str()
+            .map_err(|_| GatewayError::invalid(Some(header.clone()), "not a valid scope id"))?;
+        let fixed_by_key =
+            (kind == "user" && key.user.is_some()) || (kind == "agent" && key.agent.is_some());
+        // A header that repeats what the key fixes adds nothing: it agrees
+        // (below) whether or not the kind is one the client may add.
+        if !fixed_by_key && !key.client_scopes.iter().any(|k| k == kind) {
             return Err(GatewayError::forbidden(format!(
                 "{header}: this gateway key may not add `{kind}` scopes (its client_scopes are {:?})",
                 key.client_scopes
             )));
         }
-        let id = value
-            .to_str()
-            .map_err(|_| GatewayError::invalid(Some(header.clone()), "not a valid scope id"))?;
         if let Some((_, fixed)) = out.iter().find(|(k, _)| k == kind) {
             if fixed != id {
                 return Err(GatewayError::forbidden(format!(
