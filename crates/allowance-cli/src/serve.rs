@@ -344,10 +344,37 @@ async fn open_durable(
     .with_context(|| format!("cannot open the data dir {}", dir.display()))?;
     bar.finish_and_clear();
     if let Some(torn) = &report.torn_tail {
+        if torn.acknowledged_lost {
+            tracing::error!(
+                file = %torn.file.display(),
+                offset = torn.offset,
+                bytes = torn.bytes_dropped,
+                reason = %torn.reason,
+                "a power loss under fsync = \"never\" left a hole in the log: cut there, with the acknowledged records after it"
+            );
+        } else {
+            tracing::warn!(
+                file = %torn.file.display(),
+                offset = torn.offset,
+                bytes = torn.bytes_dropped,
+                reason = %torn.reason,
+                "cut off a torn tail: the unfinished last write before a crash (acknowledged only under fsync = \"batch\" or \"never\", and lost only to a power loss)"
+            );
+        }
+    }
+    if let Some(torn) = &report.usage_torn_tail {
         tracing::warn!(
             file = %torn.file.display(),
             offset = torn.offset,
-            "cut off a torn tail a crash left (records never acknowledged)"
+            bytes = torn.bytes_dropped,
+            "cut off a torn tail of the usage log; its events are regenerated from the main log"
+        );
+    }
+    if let Some((first, last)) = report.usage_ahead {
+        tracing::error!(
+            first_lsn = first,
+            last_lsn = last,
+            "the usage log held events of main records the log had lost (a power loss, or damage cut from its end): they stay in the export, for operations the ledger no longer has"
         );
     }
     for change in &report.admin_changes {

@@ -378,15 +378,52 @@ pub(crate) struct UsageEntry {
     pub(crate) event: UsageEvent,
 }
 
-/// Decodes a usage entry.
-pub(crate) fn decode_usage(bytes: &[u8]) -> Result<UsageEntry, String> {
+/// A record of the usage log: an event, or a rewind. (Decoded one at a
+/// time and consumed at once: the size difference costs nothing.)
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum UsageItem {
+    Event(UsageEntry),
+    /// Written at a start that found the usage log ahead of the main log
+    /// (events of main records a power loss or a cut tail took from it):
+    /// the usage log goes on from main record `main_lsn`, so the events of
+    /// the records the main log writes next (with those lsns again) are
+    /// regenerated after a crash rather than taken as present. Not an
+    /// event: the export skips it (its cursor is spent).
+    Rewind {
+        main_lsn: u64,
+    },
+}
+
+/// The first byte of a rewind record, where an event has the format
+/// version.
+const REWIND_TAG: u8 = 0xfe;
+
+/// A rewind record to the main log's record `main_lsn`.
+pub(crate) fn encode_rewind(main_lsn: u64) -> Vec<u8> {
+    let mut out = vec![REWIND_TAG];
+    out.extend_from_slice(&main_lsn.to_le_bytes());
+    out
+}
+
+/// Decodes a usage record.
+pub(crate) fn decode_usage(bytes: &[u8]) -> Result<UsageItem, String> {
     let (&version, body) = bytes.split_first().ok_or("an empty usage record")?;
+    if version == REWIND_TAG {
+        let lsn: [u8; 8] = body
+            .try_into()
+            .map_err(|_| "a rewind record of the wrong length".to_string())?;
+        return Ok(UsageItem::Rewind {
+            main_lsn: u64::from_le_bytes(lsn),
+        });
+    }
     if version != FORMAT_VERSION {
         return Err(format!(
             "usage record format version {version}, this build reads {FORMAT_VERSION}"
         ));
     }
-    postcard::from_bytes(body).map_err(|e| format!("undecodable usage record: {e}"))
+    postcard::from_bytes(body)
+        .map(UsageItem::Event)
+        .map_err(|e| format!("undecodable usage record: {e}"))
 }
 
 #[cfg(test)]

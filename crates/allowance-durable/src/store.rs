@@ -95,8 +95,19 @@ pub struct OpenReport {
     pub replayed: u64,
     /// The log's last position after start-up.
     pub last_lsn: Lsn,
-    /// The half-written end a crash left, cut off (never acknowledged).
+    /// The half-written end a crash left, cut off (see
+    /// [`TornTail::acknowledged_lost`] for whether acknowledged records
+    /// went with it).
     pub torn_tail: Option<TornTail>,
+    /// The same for the usage log (its events are regenerated from the
+    /// main log: nothing is lost with it).
+    pub usage_torn_tail: Option<TornTail>,
+    /// The main records (first, last lsn) whose usage events the usage log
+    /// held though the main log had lost them (a power loss under `fsync =
+    /// "batch"` before this build, or `"never"`; damage cut from the main
+    /// log's end): those events stay in the export, describing operations
+    /// the ledger no longer has.
+    pub usage_ahead: Option<(Lsn, Lsn)>,
     /// The configuration file differs from the one the log last saw.
     pub config_changed: bool,
     /// The admin changes in force (plans, overrides, models, dimensions
@@ -128,6 +139,14 @@ struct Live {
     /// they reach the usage log only once their record is durable, so the
     /// usage log never holds an event the main log could lose.
     pending_usage: Mutex<std::collections::VecDeque<(Lsn, Vec<UsageEvent>)>>,
+    /// Under `fsync = "batch"` a main record is acknowledged at its write
+    /// and synced within the window: its events wait for the sync, so the
+    /// usage log (synced on its own) never gets to the disk ahead of the
+    /// main log and a power loss cannot leave it holding events the ledger
+    /// lost. (Under `"always"` durable is synced; under `"never"` nothing
+    /// is synced until a roll, snapshot or close, and the usage log is not
+    /// synced either.)
+    usage_after_sync: bool,
     /// Bumped before and after each trim of the usage log (odd while one
     /// runs): a page read that failed while it changed is read again, as
     /// a segment may have been deleted under it. (No lock across the I/O.)
@@ -228,7 +247,11 @@ fn flush_usage(live: &Live) -> Result<(), String> {
         // Most operations (reserves) have no events: spare the log's lock.
         return Ok(());
     }
-    let durable = live.wal.durable_lsn();
+    let durable = if live.usage_after_sync {
+        live.wal.synced_lsn()
+    } else {
+        live.wal.durable_lsn()
+    };
     while let Some((lsn, _)) = pending.front() {
         if *lsn > durable {
             break;
@@ -718,12 +741,26 @@ fn recover(
         (main, usage)
     });
     let (wal, recovered) = main?;
-    let (usage_wal, _) = usage?;
-    let usage_upto = last_usage(&usage_wal)?;
+    let (usage_wal, usage_recovered) = usage?;
+    let mut usage_upto = last_usage(&usage_wal)?;
     let mut report = OpenReport {
         torn_tail: recovered.torn_tail.clone(),
+        usage_torn_tail: usage_recovered.torn_tail.clone(),
         ..OpenReport::default()
     };
+    if usage_upto.0 > recovered.last_lsn {
+        // The usage log holds events of main records the main log no longer
+        // has (a power loss took records it had acknowledged but not
+        // synced, or damage to its last write was cut): they were exported
+        // and stay, reported. The main log writes those lsns again: a
+        // rewind makes their events count as missing, to regenerate.
+        report.usage_ahead = Some((recovered.last_lsn + 1, usage_upto.0));
+        usage_wal.append(&record::encode_rewind(recovered.last_lsn))?;
+        // On disk before the main log writes those lsns again: a crash must
+        // not find their new events missing and the ghosts' taken for them.
+        usage_wal.sync_all()?;
+        usage_upto = (recovered.last_lsn, None);
+    }
     let snapshot = wal.latest_snapshot()?;
     // Where replay starts: the latest snapshot, or an empty ledger on the
     // configuration file (whose first record is then its Base).
@@ -802,6 +839,7 @@ fn recover(
         ledger,
         wal,
         usage_wal,
+        usage_after_sync: matches!(inner.opts.wal.fsync, allowance_wal::Fsync::Batch { .. }),
         pending_usage: Mutex::new(std::collections::VecDeque::new()),
         usage_trims: AtomicU64::new(0),
         base: inner.config.clone(),
@@ -820,7 +858,13 @@ fn recover(
 /// regenerates the rest from the main log.
 fn usage_options(main: &WalOptions, segment_bytes: u64) -> WalOptions {
     let mut opts = WalOptions::new(main.dir.join("usage"));
-    opts.fsync = allowance_wal::Fsync::Always;
+    // Synced per batch, after the main records it derives from are (see
+    // `Live::usage_after_sync`) — except under "never", where the main log
+    // is not synced while it runs, nor then is this.
+    opts.fsync = match main.fsync {
+        allowance_wal::Fsync::Never => allowance_wal::Fsync::Never,
+        _ => allowance_wal::Fsync::Always,
+    };
     opts.segment_bytes = segment_bytes;
     // Nothing in a request's path waits for it: write (and fsync) in
     // batches every few ms instead of waking a thread per operation.
@@ -843,8 +887,11 @@ fn last_usage(usage_wal: &Wal) -> Result<(Lsn, Option<u32>), OpenError> {
         return Ok((0, None));
     }
     let at = |bytes: &[u8]| {
-        let entry = record::decode_usage(bytes)?;
-        Ok((entry.main_lsn, Some(entry.index)))
+        Ok(match record::decode_usage(bytes)? {
+            record::UsageItem::Event(entry) => (entry.main_lsn, Some(entry.index)),
+            // Every event of the records up to it is present (none after).
+            record::UsageItem::Rewind { main_lsn } => (main_lsn, None),
+        })
     };
     match usage_record(usage_wal, last, at) {
         Ok(found) => Ok(found.unwrap_or((0, None))),
@@ -943,7 +990,7 @@ fn write_snapshot(live: &Live, now: Timestamp, keep_usage: u64) -> Result<Lsn, S
 /// be lost (damage: they were synced), a start-up still knows how far the
 /// usage log had come in the main log (`last_usage`).
 fn trim_usage(live: &Live, keep: u64) -> Result<(), String> {
-    let synced = live.usage_wal.durable_lsn();
+    let synced = live.usage_wal.synced_lsn();
     let keep = keep.max(1);
     if synced <= keep {
         return Ok(());
@@ -1362,8 +1409,11 @@ fn replay_usage(
     page: &mut UsagePage,
 ) -> Result<(), WalError> {
     let read = live.usage_wal.replay(after, |lsn, bytes| {
-        let entry = record::decode_usage(bytes)?;
         page.next_cursor = lsn;
+        let entry = match record::decode_usage(bytes)? {
+            record::UsageItem::Event(entry) => entry,
+            record::UsageItem::Rewind { .. } => return Ok(()),
+        };
         if tenant.is_none_or(|t| entry.event.tenant() == Some(t)) {
             page.records.push(UsageRecord {
                 cursor: lsn,

@@ -153,14 +153,23 @@ fn digits(v: &str) -> Option<u64> {
 }
 
 /// Reads `since` and `limit` from decoded query pairs. A parameter given
-/// twice is a 400 naming it: which one counts would be a guess.
+/// twice is a 400 naming it: which one counts would be a guess. Any other
+/// parameter is a 400 naming it too: an exporter whose `sinse=` went
+/// unnoticed would read the whole log again, and bill it twice.
 pub fn parse_query(pairs: &[(String, String)]) -> Result<UsageQuery, ApiError> {
     let (mut since, mut limit): (Option<&str>, Option<&str>) = (None, None);
     for (key, value) in pairs {
         let slot = match key.as_str() {
             "since" => &mut since,
             "limit" => &mut limit,
-            _ => continue,
+            other => {
+                return Err(ApiError::invalid(
+                    Some(other.to_string()),
+                    format!(
+                        "unknown query parameter {other:?}: the usage log takes since and limit"
+                    ),
+                ));
+            }
         };
         if slot.is_some() {
             return Err(ApiError::invalid(
@@ -275,13 +284,15 @@ mod tests {
             }
         );
         assert_eq!(
-            q(&[("limit", "1"), ("since", "0"), ("other", "x")]).unwrap(),
+            q(&[("limit", "1"), ("since", "0")]).unwrap(),
             UsageQuery {
                 since: Some(0),
                 limit: 1
             }
         );
         for (bad, field) in [
+            (("sinse", "5"), "sinse"),
+            (("other", "x"), "other"),
             (("since", ""), "since"),
             (("since", "-1"), "since"),
             (("since", "+1"), "since"),

@@ -9,7 +9,13 @@
 //! had been made durable: damage, not a torn write — the proof that lets the
 //! log be written over zeros synced in advance, whose pages a power loss may
 //! leave in any order. Version 1 records (`[len][crc over lsn+payload][lsn]
-//! [payload]`, no stamp) still read. A snapshot file is
+//! [payload]`, no stamp) still read. Under `fsync = "never"` nothing is
+//! synced while the log runs, so the stamp says instead what was *written*
+//! before the record's write, with [`WRITTEN_STAMP`] set: a process crash
+//! cannot lose what was written, so a later record stamped past a damaged
+//! one proves damage there too — unless the bad bytes hold a whole sector
+//! of zeros, the hole a power loss leaves in writes never fsynced (the loss
+//! that mode accepts), which is cut and reported as such. A snapshot file is
 //! `snapshot-{lsn:020}.snap`: `ALWSNP`, the version (u16 LE), the lsn
 //! (u64 LE), the payload's length (u64 LE), a crc32c (u32 LE) over those
 //! two fields and the payload, then the payload.
@@ -28,6 +34,12 @@ pub(crate) const FORMAT_VERSION: u16 = 2;
 const SNAPSHOT_VERSION: u16 = 1;
 /// Bytes of a segment file's header.
 pub(crate) const SEGMENT_HEADER_BYTES: u64 = 8;
+/// Set in a version 2 stamp that gives the lsn *written* (not synced)
+/// before the record's write: what the writer stamps under
+/// `Fsync::Never`, which syncs nothing while it runs. Lsns never reach it.
+pub(crate) const WRITTEN_STAMP: u64 = 1 << 63;
+/// The unit a power loss loses: no disk writes less than a sector.
+const SECTOR_BYTES: usize = 512;
 /// Bytes of a record's header as this build writes it (len, crc, lsn, synced).
 pub(crate) const RECORD_HEADER_BYTES: usize = 24;
 /// Where a record's crc32c sits, from the record's start.
@@ -176,8 +188,11 @@ impl fmt::Display for BadRecord {
 pub(crate) struct Record<'a> {
     pub(crate) lsn: Lsn,
     /// The log was fsynced up to here when the record was written (`None`
-    /// in a version 1 segment).
+    /// in a version 1 segment) — or only written, when `written_only`.
     pub(crate) synced: Option<Lsn>,
+    /// The stamp gives what was written before, not what was synced
+    /// ([`WRITTEN_STAMP`]).
+    pub(crate) written_only: bool,
     pub(crate) payload: &'a [u8],
     /// Offset just past the record.
     pub(crate) end: usize,
@@ -228,10 +243,11 @@ pub(crate) fn parse_record(
     if stored != computed {
         return Err(BadRecord::Checksum { stored, computed });
     }
-    let synced = (layout == Layout::V2).then(|| u64_at(data, at + SYNCED_OFFSET));
+    let stamp = (layout == Layout::V2).then(|| u64_at(data, at + SYNCED_OFFSET));
     Ok(Record {
         lsn,
-        synced,
+        synced: stamp.map(|s| s & !WRITTEN_STAMP),
+        written_only: stamp.is_some_and(|s| s & WRITTEN_STAMP != 0),
         payload,
         end,
     })
@@ -249,6 +265,16 @@ pub(crate) fn all_zeros(bytes: &[u8]) -> bool {
         && tail.iter().all(|&b| b == 0)
 }
 
+/// Whether `bytes`, which start at byte `offset` of their file, hold a
+/// whole sector-aligned sector of zeros: what a power loss leaves where a
+/// write never reached the disk, and what flipped bits never make.
+pub(crate) fn holds_zero_sector(bytes: &[u8], offset: u64) -> bool {
+    let skip = (SECTOR_BYTES - (offset % SECTOR_BYTES as u64) as usize) % SECTOR_BYTES;
+    bytes
+        .get(skip..)
+        .is_some_and(|rest| rest.chunks_exact(SECTOR_BYTES).any(all_zeros))
+}
+
 /// Finds a valid record after `bad_at` proving that the bad record there,
 /// which should have had lsn `min_lsn`, is damage and not a torn tail: one
 /// with an lsn of at least `min_lsn` that, in a version 2 segment, was
@@ -264,7 +290,7 @@ pub(crate) fn valid_record_after(
     bad_at: usize,
     min_lsn: Lsn,
     layout: Layout,
-) -> Option<(usize, Lsn)> {
+) -> Option<(usize, Lsn, bool)> {
     let last_start = data.len().checked_sub(layout.header_bytes())?;
     // LSNs are dense, so a genuine later record cannot be further ahead
     // than one per header's worth of bytes.
@@ -278,7 +304,7 @@ pub(crate) fn valid_record_after(
         }
         match parse_record(data, at, layout) {
             Ok(record) if record.synced.is_none_or(|synced| synced >= min_lsn) => {
-                return Some((at, record.lsn));
+                return Some((at, record.lsn, record.written_only));
             }
             Ok(record) => at = record.end,
             Err(_) => at += 1,
@@ -490,12 +516,15 @@ mod tests {
         stretch.extend_from_slice(&later);
         assert_eq!(
             valid_record_after(&stretch, 0, 5, Layout::V2),
-            Some((at, 7))
+            Some((at, 7, false))
         );
         // Version 1 has no stamps: any valid later record is proof.
         let mut old = vec![0u8; 40];
         old.extend_from_slice(&v1_record(6, b"x"));
-        assert_eq!(valid_record_after(&old, 0, 5, Layout::V1), Some((40, 6)));
+        assert_eq!(
+            valid_record_after(&old, 0, 5, Layout::V1),
+            Some((40, 6, false))
+        );
     }
 
     #[test]

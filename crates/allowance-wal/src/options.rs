@@ -156,6 +156,12 @@ pub struct TornTail {
     pub bytes_dropped: u64,
     /// What was wrong with the record at `offset`.
     pub reason: String,
+    /// Acknowledged records were cut too: the bad bytes were a hole a power
+    /// loss left in writes never fsynced (`Fsync::Never`), with records
+    /// written after them. Otherwise only the last write before a crash
+    /// was cut (acknowledged under `Fsync::Batch` or `Never` alone, and
+    /// then only when the crash was a power loss).
+    pub acknowledged_lost: bool,
 }
 
 /// How far a replay has come, for a progress bar.

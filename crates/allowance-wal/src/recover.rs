@@ -395,7 +395,27 @@ fn torn_or_damage(
     if layout == Layout::V2 && format::all_zeros(&data[at..]) {
         return Ok(None);
     }
-    if let Some((later_at, later_lsn)) = format::valid_record_after(data, at, expect, layout) {
+    let nonzero_end = |data: &[u8]| {
+        data.iter()
+            .rposition(|&b| b != 0)
+            .map_or(at, |last| last + 1)
+    };
+    if let Some((later_at, later_lsn, written_only)) =
+        format::valid_record_after(data, at, expect, layout)
+    {
+        if written_only && format::holds_zero_sector(&data[at..later_at], at as u64) {
+            // Written after the bad record without an fsync between: a
+            // power loss may have kept the later write and lost this one.
+            return Ok(Some(TornTail {
+                file: path.to_path_buf(),
+                offset: at as u64,
+                bytes_dropped: (nonzero_end(data).max(at) - at) as u64,
+                reason: format!(
+                    "{bad}: a hole of zeros a power loss left in writes never fsynced (fsync = \"never\"); the records from lsn {expect} on, acknowledged ones included (a valid one, lsn {later_lsn}, follows at byte {later_at}), are lost"
+                ),
+                acknowledged_lost: true,
+            }));
+        }
         let proof = match layout {
             Layout::V1 => "",
             Layout::V2 => ", written after this one was synced",
@@ -411,16 +431,14 @@ fn torn_or_damage(
     let end = match layout {
         Layout::V1 => data.len(),
         // The bad bytes end where the zeros synced ahead begin.
-        Layout::V2 => data
-            .iter()
-            .rposition(|&b| b != 0)
-            .map_or(at, |last| last + 1),
+        Layout::V2 => nonzero_end(data),
     };
     Ok(Some(TornTail {
         file: path.to_path_buf(),
         offset: at as u64,
         bytes_dropped: (end.max(at) - at) as u64,
         reason: bad.to_string(),
+        acknowledged_lost: false,
     }))
 }
 

@@ -515,6 +515,13 @@ impl Wal {
         self.shared.state.lock().durable_lsn
     }
 
+    /// Every record up to this lsn has been fsynced (under [`Fsync::Always`]
+    /// the same as [`durable_lsn`](Wal::durable_lsn); under the others it
+    /// may lag what was acknowledged).
+    pub fn synced_lsn(&self) -> Lsn {
+        self.shared.state.lock().synced_lsn
+    }
+
     /// The data dir.
     pub fn dir(&self) -> &Path {
         &self.shared.dir
@@ -749,7 +756,14 @@ impl Writer {
     /// Writes one batch with one write, syncs per policy, wakes waiters.
     fn commit(&mut self, bytes: &mut [u8], batch: &Batch) -> Result<(), WalError> {
         // Stamped now, not at append: only the writer knows what is synced.
-        format::seal_records(bytes, self.synced_lsn);
+        // Under `Never` nothing is synced while the log runs: the stamp
+        // says what was written before, which a process crash cannot lose,
+        // so damage in the middle of the log is still told from a torn end.
+        let stamp = match self.shared.fsync {
+            Fsync::Never => self.written_lsn | format::WRITTEN_STAMP,
+            Fsync::Always | Fsync::Batch { .. } => self.synced_lsn,
+        };
+        format::seal_records(bytes, stamp);
         let bytes = &*bytes;
         let mut rest = bytes;
         let mut next_lsn = batch.first_lsn;

@@ -129,6 +129,7 @@ fn a_torn_last_record_is_cut_at_every_byte_offset() {
                     last_len
                 }
             ),
+            acknowledged_lost: false,
         });
         assert_eq!(
             recovered,
@@ -192,6 +193,7 @@ fn a_bad_checksum_at_the_very_end_is_a_torn_tail_and_zeros_are_a_clean_end() {
                 crc(3, &payloads[2]),
                 crc(3, &flipped)
             ),
+            acknowledged_lost: false,
         })
     );
     assert_eq!(read_after(&wal, 0), numbered(&payloads[..2]));
@@ -613,6 +615,7 @@ fn a_hole_is_torn_unless_a_later_record_was_written_after_it_was_synced() {
                 "checksum mismatch: stored crc32c 0x00000000, computed {:#010x}",
                 crc32c::crc32c(&[0; 16])
             ),
+            acknowledged_lost: false,
         })
     );
     assert_eq!(read_after(&wal, 0), numbered(&payloads));
@@ -637,4 +640,86 @@ fn a_hole_is_torn_unless_a_later_record_was_written_after_it_was_synced() {
         )
     );
     assert_eq!(fs::read(&segment).expect("read"), bytes, "changed nothing");
+}
+
+fn open_never(dir: &Path) -> Result<(Wal, Recovered), WalError> {
+    let opts = WalOptions {
+        fsync: Fsync::Never,
+        ..WalOptions::new(dir)
+    };
+    Wal::open(opts, Arc::new(RealFs))
+}
+
+/// A `fsync = "never"` log of `n` records of 300 bytes, each written (so
+/// acknowledged) before the next is appended, closed without a clean stop's
+/// cut (dropped, as a crash leaves it); the segment's bytes.
+fn never_log(dir: &Path, n: u64) -> (PathBuf, Vec<u8>, Vec<Vec<u8>>) {
+    let rt = runtime();
+    let payloads: Vec<Vec<u8>> = (0..n).map(|i| vec![i as u8 + 1; 300]).collect();
+    let (wal, _) = open_never(dir).expect("open");
+    for p in &payloads {
+        let lsn = wal.append(p).expect("append");
+        durable(&rt, &wal, lsn).expect("written");
+    }
+    drop(wal);
+    let segment = only_segment(dir);
+    let bytes = fs::read(&segment).expect("read");
+    (segment, bytes, payloads)
+}
+
+/// Under `fsync = "never"` nothing is synced while the log runs, yet what
+/// was written is acknowledged and no process crash loses it: a flipped
+/// byte in the middle of the log is damage (the open stops, naming the
+/// file and offset), not a torn tail to cut with every acknowledged record
+/// after it. (Found by an audit: the stamp said "synced up to 0", so any
+/// damage looked like a torn tail and 52 of 100 reservations vanished.)
+#[test]
+fn under_never_a_flipped_byte_mid_log_is_damage_not_a_torn_tail() {
+    let dir = TempDir::new("never-flip");
+    let (segment, mut bytes, payloads) = never_log(dir.path(), 20);
+    let at = offsets(&payloads)[5] + RECORD_HEADER + 7;
+    bytes[at] ^= 0x40;
+    fs::write(&segment, &bytes).expect("flip");
+    let err = match open_never(dir.path()) {
+        Ok(_) => panic!("opened a damaged log"),
+        Err(e @ WalError::Corrupt { .. }) => e.to_string(),
+        Err(e) => panic!("expected a corruption error, got {e}"),
+    };
+    let record_at = offsets(&payloads)[5];
+    assert!(
+        err.contains(&format!("byte {record_at}")) && err.contains("damage"),
+        "{err}"
+    );
+    assert_eq!(fs::read(&segment).expect("read"), bytes, "nothing changed");
+    // The end torn by a crash is still cut: the last record half written.
+    let last = offsets(&payloads)[19];
+    bytes[at] ^= 0x40;
+    fs::write(&segment, &bytes[..last + 40]).expect("heal, then tear");
+    let (wal, recovered) = open_never(dir.path()).expect("a torn end opens");
+    let torn = recovered.torn_tail.expect("reported");
+    assert_eq!((torn.offset, torn.acknowledged_lost), (last as u64, false));
+    assert_eq!(read_after(&wal, 0).len(), 19);
+}
+
+/// A power loss under `fsync = "never"` may keep a later write and lose an
+/// earlier one: a whole sector of zeros where records were, valid records
+/// after it. That is the loss the mode accepts: the log is cut at the
+/// hole, and the report says acknowledged records went with it.
+#[test]
+fn under_never_a_sector_hole_a_power_loss_left_is_cut_and_reported_as_lost() {
+    let dir = TempDir::new("never-hole");
+    let (segment, mut bytes, payloads) = never_log(dir.path(), 20);
+    let sector = offsets(&payloads)[8].next_multiple_of(512);
+    bytes[sector..sector + 512].fill(0);
+    fs::write(&segment, &bytes).expect("hole");
+    let first_bad = offsets(&payloads)
+        .into_iter()
+        .rposition(|o| o <= sector)
+        .expect("a record before the hole");
+    let (wal, recovered) = open_never(dir.path()).expect("a power loss's hole opens");
+    let torn = recovered.torn_tail.expect("reported");
+    assert!(torn.acknowledged_lost, "{torn:?}");
+    assert_eq!(torn.offset, offsets(&payloads)[first_bad] as u64);
+    assert!(torn.reason.contains("power loss"), "{}", torn.reason);
+    assert_eq!(read_after(&wal, 0), numbered(&payloads[..first_bad]));
 }
