@@ -77,6 +77,25 @@ fn binding(denials: Vec<DenyOut>) -> Option<DenyOut> {
     best
 }
 
+/// A release of a refused reservation's shared holds that is not known to
+/// have landed: registered before it is sent, so that neither a group that
+/// does not answer nor a request cancelled mid-release (a client gone, a
+/// deadline) leaves the hold standing until its TTL; the sweeper sends it
+/// again ([`RedisStore::sweep_cross`]) until it lands or the hold it undoes
+/// has expired in its group anyway. Idempotent: a release of a released
+/// hold changes nothing, and one that comes first leaves a tombstone.
+#[derive(Clone, Debug)]
+pub(crate) struct PendingRelease {
+    groups: Vec<(String, Vec<usize>)>,
+    specs: Vec<ScopeSpec>,
+    /// After this (ms, the store's clock) the hold has expired by itself.
+    until_ms: u64,
+}
+
+/// Pending releases kept at most (each a few hundred bytes): past this a
+/// release that fails is left to the hold's TTL, as before there was a list.
+const MAX_PENDING_RELEASES: usize = 10_000;
+
 /// What one group's script answered, kept with the group.
 struct Part {
     base: String,
@@ -116,6 +135,82 @@ impl RedisStore {
             }
         }
         Ok(())
+    }
+
+    /// Releases a refused reservation's holds in `groups`, registered as
+    /// pending first and forgotten once they landed (see [`PendingRelease`]).
+    async fn release_shared(
+        &self,
+        catalog: &Catalog,
+        id: &str,
+        groups: &[(String, Vec<usize>)],
+        specs: &[ScopeSpec],
+        ttl_ms: u64,
+    ) -> Result<(), Unavailable> {
+        if groups.is_empty() {
+            return Ok(());
+        }
+        {
+            let mut pending = self.releases.lock();
+            if pending.len() < MAX_PENDING_RELEASES {
+                // The hold's expiry as its group reckons it, with the
+                // slack of one more timeout.
+                let until_ms = self.estimate_ms()
+                    + ttl_ms
+                    + u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX);
+                pending.insert(
+                    id.to_string(),
+                    PendingRelease {
+                        groups: groups.to_vec(),
+                        specs: specs.to_vec(),
+                        until_ms,
+                    },
+                );
+            }
+        }
+        let released = self
+            .fend_all(catalog, id, groups, specs, "release", None)
+            .await;
+        if released.is_ok() {
+            self.releases.lock().remove(id);
+        }
+        released
+    }
+
+    /// Sends the pending releases again (the sweeper's part); those that
+    /// land, or whose holds have expired by now, are forgotten.
+    async fn retry_releases(&self, catalog: &Catalog) -> Result<(), Unavailable> {
+        let now = self.estimate_ms();
+        let due: Vec<(String, PendingRelease)> = {
+            let mut pending = self.releases.lock();
+            pending.retain(|_, r| r.until_ms > now);
+            pending
+                .iter()
+                .map(|(id, r)| (id.clone(), r.clone()))
+                .collect()
+        };
+        if due.is_empty() {
+            return Ok(());
+        }
+        let sent = due.iter().map(|(id, r)| async move {
+            (
+                id,
+                self.fend_all(catalog, id, &r.groups, &r.specs, "release", None)
+                    .await,
+            )
+        });
+        let mut failed = None;
+        for (id, result) in futures_util::future::join_all(sent).await {
+            match result {
+                Ok(()) => {
+                    self.releases.lock().remove(id);
+                }
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        failed.map_or(Ok(()), Err)
     }
 
     /// Runs `op` in every shared group of `groups` at once.
@@ -250,7 +345,7 @@ impl RedisStore {
         }
         let compensate = |why: &str| {
             tracing::debug!(why, "releasing the shared holds of a refused reservation");
-            self.fend_all(catalog, &ids, &held_somewhere, specs, "release", None)
+            self.release_shared(catalog, &ids, &held_somewhere, specs, prep.ttl_ms)
         };
         if failed.is_some() || again || !denials.is_empty() {
             compensate("a shared group refused").await?;
@@ -397,6 +492,8 @@ impl RedisStore {
     /// left pending (it died, or a shared group did not answer) for at
     /// least two seconds, and expires foreign holds in the shared groups.
     pub(crate) async fn sweep_cross(&self, catalog: &Catalog) -> Result<(), Unavailable> {
+        // First: a release that did not land leaves a hold blocking room.
+        let retried = self.retry_releases(catalog).await;
         let now = self.estimate_ms();
         let cmds = (0..=255u8)
             .map(|tag| {
@@ -440,6 +537,7 @@ impl RedisStore {
         for reply in futures_util::future::join_all(calls).await {
             reply?;
         }
+        retried?;
         unfinished.map_or(Ok(()), Err)
     }
 

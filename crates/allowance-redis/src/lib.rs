@@ -223,6 +223,10 @@ pub struct RedisStore {
     /// Records of reservations this instance granted and has not seen end
     /// (bounded: cleared when full), so their settle costs one round trip.
     recent: parking_lot::Mutex<std::collections::HashMap<ReservationId, Rec>>,
+    /// Cluster only: releases of a refused reservation's shared holds not
+    /// known to have landed, by reservation id (see
+    /// [`cross::PendingRelease`]).
+    releases: parking_lot::Mutex<std::collections::HashMap<String, cross::PendingRelease>>,
 }
 
 /// How long calls to a cluster must keep failing before the sweeper
@@ -471,6 +475,7 @@ impl RedisStore {
             timeout,
             usage_max: options.usage_max_records.max(1),
             recent: parking_lot::Mutex::default(),
+            releases: parking_lot::Mutex::default(),
         })
     }
 

@@ -470,3 +470,72 @@ async fn a_shared_hold_is_released_after_a_stop_longer_than_the_timeout() {
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }
+
+/// A refused reservation's release of its shared hold that never lands —
+/// the shared group's node stopped when it was sent, then died and came
+/// back from its append-only file with the hold — is sent again by the
+/// sweeper until it lands, instead of leaving the hold to block the shared
+/// scope until its TTL. (An audit saw such a release never arrive through
+/// two `serve` processes.) The tenant's node is paused so that the tool's
+/// hold is taken, and its node stopped, before the tenant's part refuses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_that_never_landed_is_sent_again_by_the_sweeper() {
+    let Some(()) = redis_available() else { return };
+    let mut cluster = RedisCluster::start_with(
+        3,
+        allowance_testkit::RedisOptions {
+            appendonly: true,
+            appendfsync: "always",
+            ..Default::default()
+        },
+    );
+    let prefix = "lost:";
+    let store = Arc::new(store_on(&cluster, prefix, 1000, clock(), 5).await);
+    let catalog = store.catalog().await.expect("catalog");
+    let (scopes, tenant_node, tool_node) = tenant_elsewhere(&cluster, &catalog, prefix);
+    let tool = scopes.as_slice()[1].clone();
+    store.status(scopes.tenant()).await.expect("status");
+    store.status(&tool).await.expect("status");
+
+    // The tool has room for 5 calls; the tenant none for 200,000 tokens.
+    let mut req = ReserveRequest::new(
+        scopes.clone(),
+        search_calls(&catalog, 5).with(allowance_core::Dimension::TOKENS, 200_000),
+    );
+    req.ttl_ms = Some(600_000);
+    cluster.nodes()[tenant_node]
+        .command(&["CLIENT", "PAUSE", "600", "ALL"])
+        .expect("pause the tenant's node");
+    let reserve = tokio::spawn({
+        let store = store.clone();
+        async move { store.reserve(&req).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    tokio::task::block_in_place(|| cluster.nodes()[tool_node].stop());
+    let reserve = reserve.await.expect("the reserve's task");
+    assert!(
+        matches!(reserve, Err(StoreError::Unavailable(_))),
+        "refused, its release unanswered: {reserve:?}"
+    );
+    // The release dies with the stopped node; the hold comes back with it.
+    tokio::task::block_in_place(|| {
+        cluster.nodes_mut()[tool_node].kill9();
+        cluster.nodes_mut()[tool_node].restart();
+    });
+
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let _ = store.expire_due().await;
+        if let Ok(st) = store.status(&tool).await
+            && (st.held_reservations, st.limits[0].held) == (0, 0)
+        {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the hold of a refused reservation still blocks the shared scope: {:?}",
+            store.status(&tool).await
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
