@@ -900,3 +900,45 @@ async fn a_model_without_an_output_bound_holds_the_models() {
         .expect(201);
     assert_eq!(r.json["held"].get("output_tokens"), None, "{}", r.json);
 }
+
+/// `DELETE /v1/plans/{name}` returns a plan the admin API set to the
+/// configuration file's version (answered as the plan now in force); a
+/// plan the file does not have has none to return to (404).
+#[tokio::test]
+async fn a_plan_set_through_the_api_returns_to_the_files_on_delete() {
+    let s = Server::start();
+    let plans = s.get("/v1/plans", None).await.expect(200).json;
+    let file_version = plans["plans"]
+        .as_array()
+        .and_then(|a| a.iter().find(|p| p["name"] == "user-default"))
+        .cloned()
+        .expect("the starter's user-default plan");
+    let seven = json!({"limits": [{"dimension": "requests", "capacity": 7, "window": "bucket", "period_ms": 60000}]});
+    s.put("/v1/plans/user-default", None, &seven)
+        .await
+        .expect(200);
+    let reverted = s
+        .send("DELETE", "/v1/plans/user-default", None, None, None)
+        .await
+        .expect(200)
+        .json;
+    assert_eq!(reverted, file_version);
+    let again = s.get("/v1/plans", None).await.expect(200).json;
+    assert!(
+        again["plans"]
+            .as_array()
+            .expect("plans")
+            .contains(&file_version),
+        "{again}"
+    );
+    s.put("/v1/plans/api-only", None, &seven).await.expect(200);
+    let missing = s
+        .send("DELETE", "/v1/plans/api-only", None, None, None)
+        .await
+        .expect(404);
+    assert_eq!(
+        missing.json["error"]["type"], "not_found",
+        "{}",
+        missing.json
+    );
+}

@@ -283,6 +283,43 @@ pub(crate) async fn plan_change_keeps_live_promises(h: Harness) {
 /// One scope can be given its own limits or another plan, and returned to
 /// its kind's default; history is kept across both where the limit is the
 /// same.
+/// A plan set through the admin API and then reverted is the catalog's
+/// own again (the configuration file's: what the store was made with), for
+/// the next operation of every scope on it; a plan the configuration does
+/// not have has nothing to return to.
+pub(crate) async fn revert_plan_returns_to_the_configuration(h: Harness) {
+    let configured = h
+        .store
+        .catalog()
+        .await
+        .expect("catalog")
+        .plan("user")
+        .expect("the standard catalog's user plan")
+        .clone();
+    change(&h, CatalogChange::SetPlan(requests_per_minute("user", 2))).await;
+    let st = h.status("tenant:acme/user:bob").await;
+    assert_eq!((st.plan.as_str(), st.limits.len()), ("user", 1));
+    change(&h, CatalogChange::RevertPlan("user".into())).await;
+    let catalog = h.store.catalog().await.expect("catalog");
+    assert_eq!(
+        catalog.plan("user").map(|p| p.limits().to_vec()),
+        Some(configured.limits().to_vec()),
+        "the configuration's plan again"
+    );
+    let st = h.status("tenant:acme/user:bob").await;
+    assert_eq!(st.limits.len(), configured.limits().len());
+    // Reverting again changes nothing.
+    change(&h, CatalogChange::RevertPlan("user".into())).await;
+    match h
+        .store
+        .change_catalog(&CatalogChange::RevertPlan("api-only".into()))
+        .await
+    {
+        Err(StoreError::Rejected(AdminError::NotFound(_))) => {}
+        other => panic!("a plan the configuration lacks: {other:?}"),
+    }
+}
+
 pub(crate) async fn override_and_clear(h: Harness) {
     let bob = key("tenant:acme/user:bob");
     let two_a_minute = requests_per_minute("bob-special", 2);

@@ -182,6 +182,7 @@ macro_rules! every_case {
             plan_change_reslices_a_sliding_window,
             plan_change_reaches_a_scope_at_its_next_write,
             plan_change_keeps_live_promises,
+            revert_plan_returns_to_the_configuration,
             override_and_clear,
             adjust_total,
             shared_scope_counts_everybody,
@@ -245,6 +246,7 @@ pub fn cases() -> Vec<Case> {
             standard
         ),
         case!(admin::plan_change_keeps_live_promises, standard),
+        case!(admin::revert_plan_returns_to_the_configuration, standard),
         case!(admin::override_and_clear, standard),
         case!(admin::adjust_total, standard),
         case!(scopes::shared_scope_counts_everybody, standard),

@@ -291,11 +291,12 @@ impl SharedLedger {
     pub fn change_catalog_journaled<J: Journal>(
         &self,
         change: &crate::store::CatalogChange,
+        configured: &Catalog,
         journal: &J,
     ) -> Result<J::Ticket, AdminError> {
         let mut current = self.catalog.lock();
         let mut next = (**current).clone();
-        change.apply(&mut next)?;
+        change.apply_on(&mut next, configured)?;
         let next = Arc::new(next);
         let mut guards: Vec<MutexGuard<'_, Shard>> = self.shards.iter().map(|s| s.lock()).collect();
         for g in guards.iter_mut() {

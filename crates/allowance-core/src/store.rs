@@ -126,12 +126,37 @@ pub enum CatalogChange {
     /// against a copy of the catalog names its custom dimensions by number:
     /// add them first, in the same order, with admin changes serialized.
     AddDimension(String),
+    /// Return a plan to the configuration file's version: what the admin
+    /// API set for it no longer wins over the file (SEMANTICS: "until
+    /// deleted"). A plan the file does not have is not found.
+    RevertPlan(String),
 }
 
 impl CatalogChange {
-    /// Applies the change to a catalog.
+    /// Applies the change to a catalog, `configured` being the
+    /// configuration file's (what [`CatalogChange::RevertPlan`] returns to).
+    pub fn apply_on(&self, c: &mut Catalog, configured: &Catalog) -> Result<(), AdminError> {
+        match self {
+            CatalogChange::RevertPlan(name) => {
+                let plan = configured.plan(name).ok_or_else(|| {
+                    AdminError::NotFound(format!("plan {name:?} in the configuration file"))
+                })?;
+                known_dimensions(c, plan)?;
+                c.set_plan(plan.clone());
+                Ok(())
+            }
+            other => other.apply(c),
+        }
+    }
+
+    /// Applies the change to a catalog. [`CatalogChange::RevertPlan`] needs
+    /// the configuration file's catalog: use [`CatalogChange::apply_on`].
     pub fn apply(&self, c: &mut Catalog) -> Result<(), AdminError> {
         match self {
+            CatalogChange::RevertPlan(_) => Err(AdminError::Invalid(crate::error::Invalid::new(
+                "plan",
+                "returning a plan to the file's version needs the configuration file's catalog",
+            ))),
             CatalogChange::SetPlan(p) => {
                 known_dimensions(c, p)?;
                 c.set_plan(p.clone());
@@ -387,6 +412,8 @@ pub fn usage_page<'a>(
 /// and the last [`MEMORY_USAGE_RECORDS`] usage records.
 pub struct EmbeddedStore {
     ledger: SharedLedger,
+    /// The catalog it was made with (a reverted plan returns to it).
+    configured: Arc<Catalog>,
     clock: Arc<dyn Clock>,
     ids: Arc<dyn IdSource>,
     usage: parking_lot::Mutex<MemoryUsage>,
@@ -400,10 +427,12 @@ impl EmbeddedStore {
         clock: Arc<dyn Clock>,
         ids: Arc<dyn IdSource>,
     ) -> Self {
+        let configured = Arc::new(catalog.clone());
         let ledger = SharedLedger::new(catalog, shards);
         ledger.report_usage();
         EmbeddedStore {
             ledger,
+            configured,
             clock,
             ids,
             // Sized once to its bound: growing a ring of this size by
@@ -496,7 +525,7 @@ impl Store for EmbeddedStore {
 
     async fn change_catalog(&self, change: &CatalogChange) -> Result<(), StoreError<AdminError>> {
         self.ledger
-            .update_catalog(|c| change.apply(c))
+            .update_catalog(|c| change.apply_on(c, &self.configured))
             .map_err(StoreError::Rejected)
     }
 

@@ -2139,10 +2139,12 @@ fn extend_raises_all_or_nothing_and_pushes_expiry() {
                 .expires_at(11_000),
             expect(T, "tokens").holding(50),
             expect(A, "tokens").holding(50),
-            // The tenant has room for 20 more, the agent does not (its own
-            // hold blocks): refused, nothing changes anywhere.
+            // The tenant has room for 20 more, the agent does not: with its
+            // own 50 the reservation would hold 70 of 60, which it never
+            // can (exceeds_limit, requested = the whole hold; a retry at
+            // its own expiry would find it ended). Nothing changes anywhere.
             extend("r1", Some(&[("tokens", 20)]), None)
-                .denied(rate_limited(A, "tokens", 10_000).fields(Sliding, 60, 10, 20, None))
+                .denied(exceeds_limit(A, "tokens").fields(Sliding, 60, 10, 70, None))
                 .status(Status::Held)
                 .held(&[("tokens", 50)])
                 .expires_at(11_000),

@@ -335,6 +335,12 @@ pub(crate) fn decode_snapshot(bytes: &[u8]) -> Result<SnapshotBody, String> {
 /// so the list stays as small as the changes that still matter.
 pub(crate) fn push_overlay(overlay: &mut Vec<CatalogChange>, change: &CatalogChange) {
     use CatalogChange as C;
+    // A plan returned to the file's version: the file's wins again, as if
+    // the API had never set it (so a later edit of the file takes effect).
+    if let C::RevertPlan(name) = change {
+        overlay.retain(|old| !matches!(old, C::SetPlan(p) if p.name() == name.as_str()));
+        return;
+    }
     // Dimension numbers follow the order dimensions were added: an existing
     // one keeps its place (adding it again is a no-op anyway).
     if let C::AddDimension(name) = change {

@@ -440,6 +440,7 @@ fn describe(change: &CatalogChange) -> String {
         CatalogChange::ClearOverride(s) => format!("override on {s} cleared"),
         CatalogChange::SetModel(m, _) => format!("model {m:?} priced through the API"),
         CatalogChange::AddDimension(d) => format!("dimension {d:?} added through the API"),
+        CatalogChange::RevertPlan(p) => format!("plan {p:?} returned to the file's"),
     }
 }
 
@@ -510,7 +511,13 @@ impl Replayer {
     }
 
     fn apply_admin(&mut self, lsn: Lsn, change: &CatalogChange) {
-        match self.ledger.update_catalog(|c| change.apply(c)) {
+        // A reverted plan returns to the file the log had then (its Base).
+        let base = self.base.as_ref();
+        let applied = self.ledger.update_catalog(|c| match base {
+            Some(base) => change.apply_on(c, base),
+            None => change.apply(c),
+        });
+        match applied {
             Ok(()) => {}
             Err(e) => self.diverged(lsn, format!("{} refused: {e}", describe(change))),
         }
@@ -1303,7 +1310,7 @@ impl Store for DurableStore {
         let live = self.inner.live()?;
         let t = live
             .ledger
-            .change_catalog_journaled(change, &WalJournal::new(&live))
+            .change_catalog_journaled(change, &live.base, &WalJournal::new(&live))
             .map_err(StoreError::Rejected)?;
         self.durable(&live, t).await?;
         Ok(())

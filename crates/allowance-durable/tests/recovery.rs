@@ -1499,3 +1499,73 @@ where
         }
     }
 }
+
+/// A plan set through the admin API wins over the file until it is
+/// reverted (`DELETE /v1/plans/{name}`): then the file's version is back at
+/// once, stays across a restart, and an edit of the file takes effect at
+/// the next start, as for any plan the API never set. (Found by an audit:
+/// there was no way back, so the file's edits were ignored for good.)
+#[test]
+fn a_reverted_plan_follows_the_file_again() {
+    let rt = runtime();
+    rt.block_on(async {
+        let (dir, clock, ids, fs) = setup(12);
+        let total = |n| {
+            allowance_core::Plan::new(
+                "tenant",
+                vec![
+                    allowance_core::Limit::new(Dimension::TOKENS, n, allowance_core::Window::Total)
+                        .expect("valid"),
+                ],
+                allowance_core::OverrunPolicy::ChargeActual,
+            )
+            .expect("valid")
+        };
+        let beta = ScopeKey::tenant("beta").expect("valid");
+        let capacity = |store: &DurableStore| {
+            let store = store.clone();
+            let beta = beta.clone();
+            async move { store.status(&beta).await.expect("status").limits[0].capacity }
+        };
+        let mut opts = DurableOptions::new(dir.path());
+        opts.shards = 4;
+        let open = |file: Catalog| {
+            DurableStore::open(
+                file,
+                opts.clone(),
+                fs.clone(),
+                clock.clone(),
+                ids.clone(),
+                |_| {},
+            )
+        };
+        let mut file = catalogs::standard();
+        file.set_plan(total(100));
+        let (store, _) = open(file.clone()).await.expect("open");
+        store
+            .change_catalog(&CatalogChange::SetPlan(total(7)))
+            .await
+            .expect("set through the API");
+        assert_eq!(capacity(&store).await, 7);
+        store
+            .change_catalog(&CatalogChange::RevertPlan("tenant".into()))
+            .await
+            .expect("reverted");
+        assert_eq!(capacity(&store).await, 100, "the file's at once");
+        store.close().await.expect("close");
+
+        let (store, report) = open(file.clone()).await.expect("reopen");
+        assert!(
+            report.admin_changes.is_empty(),
+            "{:?}",
+            report.admin_changes
+        );
+        assert_eq!(capacity(&store).await, 100);
+        store.close().await.expect("close");
+
+        file.set_plan(total(61));
+        let (store, _) = open(file).await.expect("open the edited file");
+        assert_eq!(capacity(&store).await, 61, "the file's edit applies");
+        store.close().await.expect("close");
+    });
+}

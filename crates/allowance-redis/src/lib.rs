@@ -218,6 +218,8 @@ pub struct RedisStore {
     clock: Option<Arc<dyn Clock>>,
     ids: Arc<dyn IdSource>,
     current: RwLock<Current>,
+    /// The configuration file's catalog (a reverted plan returns to it).
+    configured: Arc<Catalog>,
     timeout: Duration,
     usage_max: u64,
     /// Records of reservations this instance granted and has not seen end
@@ -468,6 +470,7 @@ impl RedisStore {
             prefix: options.prefix,
             clock,
             ids,
+            configured: Arc::new(catalog.clone()),
             current: RwLock::new(Current {
                 catalog: Arc::new(catalog),
                 version: 0,
@@ -891,7 +894,10 @@ impl RedisStore {
         for (i, text) in changes.iter().enumerate() {
             let applied = serde_json::from_str::<CatalogChange>(text)
                 .map_err(|e| e.to_string())
-                .and_then(|c| c.apply(&mut next).map_err(|e| e.to_string()));
+                .and_then(|c| {
+                    c.apply_on(&mut next, &self.configured)
+                        .map_err(|e| e.to_string())
+                });
             if let Err(e) = applied {
                 // Another instance accepted it against its configuration:
                 // the configurations differ. Counted, so versions agree.
@@ -1743,7 +1749,9 @@ impl Store for RedisStore {
             let (catalog, version) = self.snapshot();
             // Checked here first: a change this catalog refuses never reaches Redis.
             let mut next = (*catalog).clone();
-            change.apply(&mut next).map_err(StoreError::Rejected)?;
+            change
+                .apply_on(&mut next, &self.configured)
+                .map_err(StoreError::Rejected)?;
             let mut r = self.req("catalog", &catalog);
             r.cv = Some(version);
             r.change = Some(text.clone());

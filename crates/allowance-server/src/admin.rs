@@ -22,7 +22,7 @@ use crate::wire::{AdjustBody, MAX_REASON_BYTES, ScopeOverrideBody, ScopeStatusVi
 pub(crate) fn router() -> Router<AppState> {
     Router::new()
         .route("/v1/plans", get(list_plans))
-        .route("/v1/plans/{name}", put(put_plan))
+        .route("/v1/plans/{name}", put(put_plan).delete(delete_plan))
         .route(
             "/v1/scopes/{*rest}",
             get(scope_get)
@@ -157,6 +157,50 @@ pub(crate) async fn put_plan(
         let catalog = state.catalog().await?;
         tracing::info!(plan = %name, "plan set through the admin API");
         Ok(("ok", axum::Json(plan_view(&plan, &catalog)).into_response()))
+    })
+    .await
+}
+
+/// Return a plan to the configuration file's version: what the admin API
+/// set for it stops winning over the file (and a later edit of the file
+/// takes effect at the next start). Answers the plan now in force; a plan
+/// the file does not have is a 404 (it has no version to return to).
+#[utoipa::path(delete, path = "/v1/plans/{name}",
+    params(("name" = String, Path, description = "[A-Za-z0-9._-]{1,64}")),
+    responses((status = 200, body = PlanView), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)),
+    security(("bearer" = [])))]
+pub(crate) async fn delete_plan(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    PathText(name): PathText,
+) -> Response {
+    measured("admin", async {
+        state
+            .credentials()
+            .authenticate(&headers)?
+            .require_admin()?;
+        if !allowance_config::valid_plan_name(&name) {
+            return Err(ApiError::invalid(
+                Some("name".into()),
+                format!("invalid plan name {name:?}: expected [A-Za-z0-9._-]{{1,64}}"),
+            ));
+        }
+        let _serial = state.admin_lock().lock().await;
+        let catalog = state.catalog().await?;
+        state
+            .call(
+                state
+                    .store()
+                    .change_catalog(&CatalogChange::RevertPlan(name.clone())),
+            )
+            .await?
+            .map_err(|e| e.into_api(state.now(), &catalog))?;
+        let catalog = state.catalog().await?;
+        let plan = catalog
+            .plan(&name)
+            .ok_or_else(|| ApiError::not_found(format!("plan {name:?} not found")))?;
+        tracing::info!(plan = %name, "plan returned to the configuration file's version");
+        Ok(("ok", axum::Json(plan_view(plan, &catalog)).into_response()))
     })
     .await
 }

@@ -31,6 +31,7 @@ use crate::wire::MAX_REASON_BYTES;
         crate::routes::metrics_text,
         crate::admin::list_plans,
         crate::admin::put_plan,
+        crate::admin::delete_plan,
         crate::admin::scope_put,
         crate::admin::scope_delete,
         crate::admin::scope_post,

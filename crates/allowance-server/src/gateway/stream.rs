@@ -434,9 +434,17 @@ fn without_null_usage(v: &Value) -> Option<Bytes> {
 
 /// A top-up refused because the stream's own hold takes the room left:
 /// waiting cannot help it (the room comes back only when it ends), so it
-/// is told its budget is spent, not to retry. Recognised by the earliest
-/// hold to end on the refusing scope being the stream's own.
+/// is told its budget is spent, not to retry. The ledger says so itself
+/// when the stream's hold and the top-up together pass the limit's whole
+/// capacity (`exceeds_limit`: for this call, the budget is gone); otherwise
+/// it is recognised by the earliest hold to end on the refusing scope
+/// being the stream's own.
 async fn own_hold_blocks(state: &AppState, id: ReservationId, d: &mut allowance_core::Denial) {
+    if d.kind == allowance_core::DenialKind::ExceedsLimit {
+        d.kind = allowance_core::DenialKind::BudgetExhausted;
+        d.retry_after_ms = None;
+        return;
+    }
     if d.kind != allowance_core::DenialKind::RateLimited {
         return;
     }
