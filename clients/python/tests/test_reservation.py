@@ -12,9 +12,8 @@ from client_harness import unique
 
 from allowance import (
     AsyncClient,
-    BudgetExhausted,
     Client,
-    RateLimited,
+    ExceedsLimit,
     UnsettledReservationWarning,
 )
 
@@ -174,8 +173,11 @@ def test_stream_is_cut_cleanly_when_a_top_up_is_refused(admin: Client, acme: Cli
     )
     with acme.reserve("acme", {"output_tokens": 10}, scopes={"task": task}) as r:
         seen = list(r.stream(words(100), count=lambda _: 1, tranche_tokens=10))
-        assert isinstance(r.cut, RateLimited | BudgetExhausted)
+        # With its own 20 the hold would be 30 of 25: it never can be, so
+        # the ledger says exceeds_limit (not a retry at its own expiry).
+        assert isinstance(r.cut, ExceedsLimit)
         assert r.cut.scope == scope and r.cut.dimension == "output_tokens"
+        assert r.cut.requested == 30
         # Holds of 10, then 20; the top-up to 30 is refused at the 20th
         # token, which the hold still covers (no cut yet), and again at the
         # 21st, which exceeds it: the cut. The 21st chunk is yielded (its

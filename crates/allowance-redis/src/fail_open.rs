@@ -19,12 +19,14 @@
 //!   locally is answered locally while that reservation is still local, so
 //!   a retry during a flapping outage replays rather than admits twice.
 //!   `status`, `adjust`, the catalog, `usage` and `stats` are Redis's only.
-//! - **During an outage** — once Redis has failed a reserve, and until it
-//!   answers one (or the sweeper) again, a reserve gives it
-//!   [`OUTAGE_GRACE`] (100 ms) before answering locally, not the whole store
-//!   timeout: a hung Redis or a partition (connections that never answer)
-//!   would otherwise cost every reserve `timeout_ms`. A reserve given up on
-//!   this way may still be applied by Redis, as after a timeout (below).
+//! - **During an outage** — once Redis has failed a reserve or the sweeper,
+//!   reserves are answered locally without asking Redis (a hung Redis or a
+//!   partition would cost each the store's timeout) until the sweeper ends
+//!   the outage: Redis must have answered it for [`HANDOVER`] (1 s) and
+//!   every reservation still held here must have its shadow hold there.
+//!   So this instance never admits in Redis beside a local hold Redis does
+//!   not count yet, and every instance that saw the outage leaves the
+//!   others' sweepers (every 250 ms) time to shadow theirs first.
 //! - **Reconciliation** — [`FailOpenLocal::reconcile`] imports every local
 //!   reservation that has ended (settled, refunded, or expired — expiry is
 //!   observed by the read) with [`RedisStore::import_ended`], idempotent by
@@ -91,11 +93,11 @@ const LOCAL_SHARDS: usize = 16;
 /// next sweep takes the rest.
 const RECONCILE_BATCH: usize = 256;
 
-/// During an outage (since Redis failed a reserve, until it answers one or
-/// the sweeper again), how long a reserve gives Redis before it answers
-/// locally, instead of the whole store timeout: many times a healthy
-/// script's round trip, a fraction of the default 1 s timeout.
-pub const OUTAGE_GRACE: std::time::Duration = std::time::Duration::from_millis(100);
+/// How long Redis must have answered the sweeper before an outage ends and
+/// reserves go to Redis again: several sweeps (every 250 ms) of every
+/// instance, so each has shadowed the holds it admitted locally before any
+/// instance that saw the outage admits in Redis beside them.
+pub const HANDOVER: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The local ledger and the catalog (Redis's, unscaled) it was built from.
 struct Local {
@@ -154,8 +156,10 @@ pub struct FailOpenLocal {
     state: Mutex<State>,
     admitted: AtomicU64,
     imported: AtomicU64,
-    /// Redis failed and the local ledger answered since it last answered.
+    /// In an outage, or its hand-over: reserves are answered locally.
     outage: AtomicBool,
+    /// When the sweeper first found Redis answering again in this outage.
+    back_since: Mutex<Option<std::time::Instant>>,
 }
 
 impl FailOpenLocal {
@@ -182,6 +186,7 @@ impl FailOpenLocal {
             admitted: AtomicU64::new(0),
             imported: AtomicU64::new(0),
             outage: AtomicBool::new(false),
+            back_since: Mutex::new(None),
         }
     }
 
@@ -331,15 +336,67 @@ impl FailOpenLocal {
         (out, held)
     }
 
-    /// Notes that Redis answered: an outage, if any, is over.
+    /// Whether reserves are answered locally: during an outage and its
+    /// hand-over (see [`HANDOVER`]).
+    pub fn answering_locally(&self) -> bool {
+        self.outage.load(Ordering::Relaxed)
+    }
+
+    /// Notes that Redis failed: an outage begins (or goes on), and any
+    /// hand-over starts again when it answers.
+    fn redis_failed(&self, e: &Unavailable) {
+        *self.back_since.lock() = None;
+        if !self.outage.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                error = %e,
+                fraction = self.fraction,
+                "Redis cannot answer: admitting locally against each limit's capacity × fraction (fail_open_local) until it does"
+            );
+        }
+    }
+
+    /// Notes that the sweeper found Redis answering and reconciled: the
+    /// outage ends once Redis has answered for [`HANDOVER`] and every
+    /// reservation still held here has its shadow hold there.
     fn redis_answered(&self) {
-        if self.outage.load(Ordering::Relaxed) && self.outage.swap(false, Ordering::Relaxed) {
+        if !self.outage.load(Ordering::Relaxed) {
+            return;
+        }
+        let since = *self
+            .back_since
+            .lock()
+            .get_or_insert_with(std::time::Instant::now);
+        if since.elapsed() < HANDOVER || self.unshadowed() > 0 {
+            return;
+        }
+        *self.back_since.lock() = None;
+        if self.outage.swap(false, Ordering::Relaxed) {
             tracing::warn!(
                 pending = self.pending_reconciliation(),
                 admitted_locally = self.admitted_locally(),
-                "Redis answers again: local admissions stop, what was admitted locally is being reconciled"
+                "Redis answers again and holds what is held here: reserves go to Redis again"
             );
         }
+    }
+
+    /// Reservations held here whose shadow hold Redis has not confirmed as
+    /// they stand.
+    fn unshadowed(&self) -> usize {
+        let st = self.state.lock();
+        let Some(local) = &st.local else { return 0 };
+        let now = self.clock.now();
+        st.pending
+            .iter()
+            .filter(|(id, e)| {
+                local.ledger.get(now, **id).is_some_and(|r| {
+                    r.status == Status::Held
+                        && !e
+                            .shadowed
+                            .as_ref()
+                            .is_some_and(|(x, h)| *x == r.expires_at && *h == r.held)
+                })
+            })
+            .count()
     }
 
     /// Builds the local ledger, or rescales it if the catalog changed.
@@ -381,14 +438,8 @@ impl FailOpenLocal {
     ) -> Result<Granted, StoreError<ReserveError>> {
         // The outage begins with Redis's failure, whatever the local
         // ledger answers (a local denial too).
-        if let Some(e) = why
-            && !self.outage.swap(true, Ordering::Relaxed)
-        {
-            tracing::warn!(
-                error = %e,
-                fraction = self.fraction,
-                "Redis cannot answer: admitting locally against each limit's capacity × fraction (fail_open_local) until it does"
-            );
+        if let Some(e) = why {
+            self.redis_failed(e);
         }
         if let Err(e) = self.ensure_local().await {
             tracing::error!(error = %e, "fail_open_local: no local ledger");
@@ -538,26 +589,17 @@ impl Store for FailOpenLocal {
         if self.is_local_key(req) {
             return self.reserve_local(req, None).await;
         }
-        let answer = if self.outage.load(Ordering::Relaxed) {
-            // Redis failed and has not answered since: a hung server or a
-            // partition would cost every reserve the whole store timeout.
-            tokio::time::timeout(OUTAGE_GRACE, self.redis.reserve(req))
-                .await
-                .unwrap_or_else(|_| {
-                    Err(StoreError::Unavailable(Unavailable(format!(
-                        "Redis still not answering (within {} ms, during an outage)",
-                        OUTAGE_GRACE.as_millis()
-                    ))))
-                })
-        } else {
-            self.redis.reserve(req).await
-        };
-        match answer {
+        if self.outage.load(Ordering::Relaxed) {
+            // During an outage and its hand-over nothing is sent to Redis:
+            // a hung server would cost every reserve the store's timeout,
+            // and a reserve Redis admitted before this instance's (and the
+            // others') local holds are shadowed there would admit past
+            // them. The sweeper ends it (`redis_answered`).
+            return self.reserve_local(req, None).await;
+        }
+        match self.redis.reserve(req).await {
             Err(StoreError::Unavailable(e)) => self.reserve_local(req, Some(&e)).await,
-            answer => {
-                self.redis_answered();
-                answer
-            }
+            answer => answer,
         }
     }
 
@@ -647,9 +689,17 @@ impl Store for FailOpenLocal {
         if let Some(l) = &self.state.lock().local {
             l.ledger.expire_due(self.clock.now());
         }
-        let expired = self.redis.expire_due().await?;
-        self.redis_answered();
+        let expired = match self.redis.expire_due().await {
+            Ok(n) => n,
+            Err(e) => {
+                // An instance without traffic learns of the outage here, so
+                // it too hands over when Redis returns.
+                self.redis_failed(&e);
+                return Err(e);
+            }
+        };
         self.reconcile().await?;
+        self.redis_answered();
         Ok(expired)
     }
 

@@ -579,9 +579,11 @@ local function load_record(base, id)
   if not raw then return nil end
   local rec = decode(raw, rkey)
   if rec.st == 'held' and rec.x <= now then expire(rec, base) end
-  -- A shadow hold is not a reservation of Redis's: its id answers as
-  -- unknown here (its reservation lives in the instance that admitted it).
-  if rec.sh or forgotten(rec) then return nil end
+  -- A shadow hold is not a reservation of Redis's: its reservation lives
+  -- in the instance that admitted it until it ends (the second value says
+  -- so: the caller answers 'elsewhere', a retry, not 'not found').
+  if rec.sh then return nil, true end
+  if forgotten(rec) then return nil end
   return rec
 end
 
@@ -721,7 +723,8 @@ function ops.settle()
   local base = req.b
   if not calendars_hold(req.scopes) then return reply({t = 'cal', now = now}) end
   local seen_all = observe_tag(base, 64) < 64
-  local rec = load_record(base, req.id)
+  local rec, away = load_record(base, req.id)
+  if away then return reply({t = 'elsewhere'}) end
   if not rec then return reply({t = 'nf'}) end
   if rec.st == 'settled' then return reply({t = 'ok', rec = rec}) end
   if rec.st == 'refunded' then return reply({t = 'conflict', st = rec.st}) end
@@ -747,7 +750,8 @@ end
 function ops.refund()
   local base = req.b
   observe_tag(base, 64)
-  local rec = load_record(base, req.id)
+  local rec, away = load_record(base, req.id)
+  if away then return reply({t = 'elsewhere'}) end
   if not rec then return reply({t = 'nf'}) end
   if rec.st == 'settled' then return reply({t = 'conflict', st = rec.st}) end
   if rec.st ~= 'held' then return reply({t = 'ok', rec = rec}) end
@@ -766,7 +770,8 @@ function ops.extend()
   local base = req.b
   if not calendars_hold(req.scopes) then return reply({t = 'cal', now = now}) end
   local seen_all = observe_tag(base, 64) < 64
-  local rec = load_record(base, req.id)
+  local rec, away = load_record(base, req.id)
+  if away then return reply({t = 'elsewhere'}) end
   if not rec then return reply({t = 'nf'}) end
   if rec.st ~= 'held' then return reply({t = 'notheld', st = rec.st}) end
   if rec.v ~= req.v then return reply({t = 'retry'}) end
@@ -804,7 +809,8 @@ end
 function ops.get()
   local base = req.b
   observe_tag(base, 64)
-  local rec = load_record(base, req.id)
+  local rec, away = load_record(base, req.id)
+  if away then return reply({t = 'elsewhere'}) end
   if not rec then return reply({t = 'nf'}) end
   return reply({t = 'ok', rec = rec})
 end
@@ -816,7 +822,8 @@ function ops.peek()
   local raw = redis.call('GET', rkey)
   if not raw then return reply({t = 'nf'}) end
   local rec = decode(raw, rkey)
-  if rec.sh or forgotten(rec) then return reply({t = 'nf'}) end
+  if rec.sh then return reply({t = 'elsewhere'}) end
+  if forgotten(rec) then return reply({t = 'nf'}) end
   return reply({t = 'ok', rec = rec, now = now})
 end
 

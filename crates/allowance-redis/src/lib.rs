@@ -45,7 +45,7 @@ mod cross;
 mod fail_open;
 mod wire;
 
-pub use fail_open::{FailOpenLocal, OUTAGE_GRACE};
+pub use fail_open::{FailOpenLocal, HANDOVER};
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -832,10 +832,21 @@ impl RedisStore {
         let raw: Vec<u8> = self
             .bounded(req.op, self.ledger.call(&mut conn, key_base, &body))
             .await?;
-        rmp_serde::from_slice(&raw).map_err(|e| {
+        let reply: Reply = rmp_serde::from_slice(&raw).map_err(|e| {
             tracing::error!(error = %e, op = req.op, "unreadable answer from the ledger script");
             Unavailable(format!("an unreadable answer from the ledger script: {e}"))
-        })
+        })?;
+        if reply.t == "elsewhere" {
+            // A shadow hold (`fail_open_local`): not "not found", which a
+            // client takes as final and so loses the settle.
+            return Err(Unavailable(
+                "this reservation was admitted by another instance while Redis was unreachable \
+                 and is held there until it ends: retry (it is this ledger's once it ends), or \
+                 settle it through that instance"
+                    .into(),
+            ));
+        }
+        Ok(reply)
     }
 
     /// `request`'s answer within the timeout. Every failure goes through
@@ -1787,6 +1798,11 @@ impl Store for RedisStore {
         // what replaces a cluster client that stays stuck.
         self.connect_now().await?;
         self.heal_cluster().await;
+        // Admin changes made through another instance reach this one by its
+        // next sweep too, not only by its next script in an updated group:
+        // an idle instance's catalog (and the emergency ledger a
+        // `fail_open_local` outage would build from it) stays current.
+        self.catch_up().await?;
         let (catalog, _) = self.snapshot();
         // One pipelined look at every group's earliest expiry and earliest
         // retention end; only the groups with something due get a script.
