@@ -182,7 +182,9 @@ async fn fail_open_local_admits_at_most_the_emergency_limits() {
         let records = text.lines().filter(|l| l.contains(id.as_str())).count();
         assert_eq!(records, 1, "usage records of {id}:\n{text}");
     }
-    // One warning for the outage, not one per request; one when it ends.
+    // One warning for the outage, not one per request; one when it ends
+    // (after the hand-over: a second of Redis answering the sweeper).
+    handed_over(&s).await;
     let log = s.log_text();
     let count = |what: &str| log.lines().filter(|l| l.contains(what)).count();
     assert_eq!(count("admitting locally"), 1, "{log}");
@@ -191,6 +193,20 @@ async fn fail_open_local_admits_at_most_the_emergency_limits() {
     s.post("/v1/reservations", None, &reserve_body(500))
         .await
         .expect(201);
+}
+
+/// Waits until the server logs the end of the outage: Redis has answered
+/// its sweeper for the hand-over, and everything held locally is shadowed.
+async fn handed_over(s: &Server) {
+    let deadline = Instant::now() + RECONCILE_BOUND;
+    while !s.log_text().contains("reserves go to Redis again") {
+        assert!(
+            Instant::now() < deadline,
+            "the outage did not end within {RECONCILE_BOUND:?}:\n{}",
+            s.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// A frozen Redis (SIGSTOP) fails open too: after `timeout_ms` without an
@@ -338,7 +354,9 @@ async fn fail_open_local_starts_while_redis_is_down() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     s.get("/readyz", None).await.expect(200);
-    // Redis admits from now on: the full 1,000 tokens, not the local 100.
+    // Redis admits from now on (the outage handed over): the full 1,000
+    // tokens, not the local 100.
+    handed_over(&s).await;
     s.post("/v1/reservations", None, &reserve_body(500))
         .await
         .expect(201);
