@@ -28,7 +28,10 @@
 //!   that waiter's denial. Waiters refused elsewhere proceed.
 //! - **Cancellation** — a waiter whose request is dropped (the client went
 //!   away) leaves the queue at once; if the dispatcher admitted it in the
-//!   same instant, the grant finds no one and is refunded.
+//!   same instant, the grant finds no one and is refunded. A waiter whose
+//!   deadline passes while the dispatcher's reserve for it is in flight is
+//!   answered by that attempt (a grant or its denial), not told no while
+//!   the grant goes to nobody.
 //! - **Bounds** — waiters per tenant and in all; past them the refusal is
 //!   the denial at once, marked `queue_full`.
 //! - **Idempotency** — while a reserve with an idempotency key waits, a
@@ -99,6 +102,11 @@ struct Waiter {
     /// Its reservation's tenant and idempotency key, if it has one.
     key: Option<String>,
     tx: Option<oneshot::Sender<Outcome>>,
+    /// The dispatcher's reserve for it is in flight.
+    trying: bool,
+    /// Its deadline passed (or its client left) while that reserve was in
+    /// flight: the attempt's outcome is its answer, a grant or the denial.
+    leaving: bool,
 }
 
 impl Waiter {
@@ -306,6 +314,8 @@ impl AdmissionQueue {
                 denied_at: Instant::now(),
                 key,
                 tx: Some(tx),
+                trying: false,
+                leaving: false,
             },
         );
         self.waiting.store(st.waiters.len(), Ordering::SeqCst);
@@ -314,10 +324,18 @@ impl AdmissionQueue {
     }
 
     /// Takes a waiter out (its deadline passed, or its client left):
-    /// `None` if the dispatcher already took it to answer it.
+    /// `None` if the dispatcher already took it to answer it, or is trying
+    /// it now — then that attempt answers it (a grant, or its denial), so a
+    /// waiter is never told no while a grant is on its way to nobody.
     pub(crate) fn remove(&self, ticket: Ticket) -> Option<Box<Denial>> {
         let (w, others) = {
             let mut st = self.state.lock();
+            if let Some(w) = st.waiters.get_mut(&ticket.0)
+                && w.trying
+            {
+                w.leaving = true;
+                return None;
+            }
             let w = take(&mut st, &self.waiting, ticket)?;
             (w, !st.waiters.is_empty())
         };
@@ -434,6 +452,10 @@ impl AdmissionQueue {
                     *until = (*until).max(c.next_try);
                     continue;
                 }
+                if !self.start_try(c.ticket) {
+                    // It left since the candidates were read.
+                    continue;
+                }
                 let outcome = match state.call(state.store().reserve(&c.req)).await {
                     Ok(r) => r,
                     Err(_) => Err(StoreError::Unavailable(Unavailable(
@@ -449,9 +471,10 @@ impl AdmissionQueue {
                         if d.kind == DenialKind::RateLimited =>
                     {
                         let scope = d.scope.clone();
-                        let until = self.refused(c.ticket, d);
-                        let entry = blocked.entry(scope).or_insert(until);
-                        *entry = (*entry).max(until);
+                        if let Some(until) = self.refused(c.ticket, d) {
+                            let entry = blocked.entry(scope).or_insert(until);
+                            *entry = (*entry).max(until);
+                        }
                     }
                     Err(other) => self.finish(c.ticket, Err(other)),
                 }
@@ -545,16 +568,38 @@ impl AdmissionQueue {
         }
     }
 
-    /// Records a waiter's new refusal; answers when it is tried next.
-    fn refused(&self, ticket: Ticket, d: Box<Denial>) -> Instant {
+    /// Marks a waiter as being tried (see [`AdmissionQueue::remove`]);
+    /// `false` if it is gone.
+    fn start_try(&self, ticket: Ticket) -> bool {
+        match self.state.lock().waiters.get_mut(&ticket.0) {
+            Some(w) => {
+                w.trying = true;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Records a waiter's new refusal; answers when it is tried next, or
+    /// `None` when it was leaving (its deadline passed during the attempt)
+    /// and is answered with this refusal instead.
+    fn refused(&self, ticket: Ticket, d: Box<Denial>) -> Option<Instant> {
         let next_try = retry_at(&d, self.recheck);
         let mut st = self.state.lock();
+        if st.waiters.get(&ticket.0).is_some_and(|w| w.leaving) {
+            drop(st);
+            metrics::counter!("allowance_queue_timeouts_total").increment(1);
+            self.finish(ticket, Err(StoreError::Rejected(ReserveError::Denied(d))));
+            self.kick.notify_one();
+            return None;
+        }
         let State {
             waiters, blocked, ..
         } = &mut *st;
         let Some(w) = waiters.get_mut(&ticket.0) else {
-            return next_try;
+            return Some(next_try);
         };
+        w.trying = false;
         if w.denial.scope != d.scope {
             blocked.remove(&w.denial.scope, w.seq);
             blocked.add(&d.scope, w.seq);
@@ -562,7 +607,7 @@ impl AdmissionQueue {
         w.next_try = next_try;
         w.denial = d;
         w.denied_at = Instant::now();
-        next_try
+        Some(next_try)
     }
 
     fn finish(&self, ticket: Ticket, outcome: Outcome) {
