@@ -1081,6 +1081,19 @@ impl RedisStore {
         Unavailable("the ledger kept changing under this operation; retry".into())
     }
 
+    /// A reservation's tenant and the base of its tenant group, refusing
+    /// an id not minted for that tenant (it would live in another group).
+    fn home_of<'r>(&self, res: &'r Reservation) -> Result<(&'r str, String), StoreError<Invalid>> {
+        let tenant = res.scopes.tenant_name();
+        if res.id.tag() != ReservationId::tenant_tag(tenant) {
+            return Err(StoreError::Rejected(Invalid::new(
+                "id",
+                "the id was not minted for this tenant",
+            )));
+        }
+        Ok((tenant, self.tenant_base(ReservationId::tenant_tag(tenant))))
+    }
+
     /// Brings in a reservation that ended outside Redis (admitted under
     /// `fail_open_local` while Redis was unreachable, then settled, refunded
     /// or expired locally): a settled one's charges are recorded on its
@@ -1112,14 +1125,7 @@ impl RedisStore {
                 "only an ended reservation can be imported",
             )));
         }
-        let tenant = res.scopes.tenant_name();
-        let base = self.tenant_base(ReservationId::tenant_tag(tenant));
-        if res.id.tag() != ReservationId::tenant_tag(tenant) {
-            return Err(StoreError::Rejected(Invalid::new(
-                "id",
-                "the id was not minted for this tenant",
-            )));
-        }
+        let (tenant, base) = self.home_of(res)?;
         let charged = res.charged.clone().unwrap_or_default();
         // The key travels only with what it bound.
         let keyed = res.idempotency_key.as_deref().zip(fingerprint);
@@ -1201,14 +1207,7 @@ impl RedisStore {
                 "only a held reservation can be shadowed",
             )));
         }
-        let tenant = res.scopes.tenant_name();
-        let base = self.tenant_base(ReservationId::tenant_tag(tenant));
-        if res.id.tag() != ReservationId::tenant_tag(tenant) {
-            return Err(StoreError::Rejected(Invalid::new(
-                "id",
-                "the id was not minted for this tenant",
-            )));
-        }
+        let (tenant, base) = self.home_of(res)?;
         let cluster = self.is_cluster();
         let keys: Vec<ScopeKey> = res
             .scopes

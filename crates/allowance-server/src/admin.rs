@@ -122,6 +122,17 @@ where
     Ok(built)
 }
 
+/// A plan name in a path: `[A-Za-z0-9._-]{1,64}`, as in the file.
+fn check_plan_name(name: &str) -> Result<(), ApiError> {
+    if allowance_config::valid_plan_name(name) {
+        return Ok(());
+    }
+    Err(ApiError::invalid(
+        Some("name".into()),
+        format!("invalid plan name {name:?}: expected [A-Za-z0-9._-]{{1,64}}"),
+    ))
+}
+
 /// Define or change a plan; effective for the next operation of every
 /// scope on it.
 #[utoipa::path(put, path = "/v1/plans/{name}", request_body = PlanSpec,
@@ -140,12 +151,7 @@ pub(crate) async fn put_plan(
             .authenticate(&headers)?
             .require_admin()?;
         let JsonBody(spec) = body?;
-        if !allowance_config::valid_plan_name(&name) {
-            return Err(ApiError::invalid(
-                Some("name".into()),
-                format!("invalid plan name {name:?}: expected [A-Za-z0-9._-]{{1,64}}"),
-            ));
-        }
+        check_plan_name(&name)?;
         let _serial = state.admin_lock().lock().await;
         let plan = apply_with_dimensions(
             &state,
@@ -179,12 +185,7 @@ pub(crate) async fn delete_plan(
             .credentials()
             .authenticate(&headers)?
             .require_admin()?;
-        if !allowance_config::valid_plan_name(&name) {
-            return Err(ApiError::invalid(
-                Some("name".into()),
-                format!("invalid plan name {name:?}: expected [A-Za-z0-9._-]{{1,64}}"),
-            ));
-        }
+        check_plan_name(&name)?;
         let _serial = state.admin_lock().lock().await;
         let catalog = state.catalog().await?;
         state
