@@ -119,6 +119,15 @@ struct Entry {
     shadowed: Option<(Timestamp, Amounts)>,
 }
 
+impl Entry {
+    /// Whether Redis holds `r`'s room as `r` stands (no extend since).
+    fn shadows(&self, r: &Reservation) -> bool {
+        self.shadowed
+            .as_ref()
+            .is_some_and(|(x, h)| *x == r.expires_at && *h == r.held)
+    }
+}
+
 #[derive(Default)]
 struct State {
     local: Option<Local>,
@@ -317,11 +326,7 @@ impl FailOpenLocal {
                     }
                 }
                 Some(r) => {
-                    let current = entry
-                        .shadowed
-                        .as_ref()
-                        .is_some_and(|(x, h)| *x == r.expires_at && *h == r.held);
-                    if !current && held.len() < RECONCILE_BATCH {
+                    if !entry.shadows(&r) && held.len() < RECONCILE_BATCH {
                         held.push(r);
                     }
                 }
@@ -388,13 +393,10 @@ impl FailOpenLocal {
         st.pending
             .iter()
             .filter(|(id, e)| {
-                local.ledger.get(now, **id).is_some_and(|r| {
-                    r.status == Status::Held
-                        && !e
-                            .shadowed
-                            .as_ref()
-                            .is_some_and(|(x, h)| *x == r.expires_at && *h == r.held)
-                })
+                local
+                    .ledger
+                    .get(now, **id)
+                    .is_some_and(|r| r.status == Status::Held && !e.shadows(&r))
             })
             .count()
     }

@@ -1081,6 +1081,14 @@ impl RedisStore {
         Unavailable("the ledger kept changing under this operation; retry".into())
     }
 
+    /// The answer of a script that only says it is done (`ok`).
+    fn plain_ok(reply: &Reply, what: &str) -> Result<(), StoreError<Invalid>> {
+        match reply.t.as_str() {
+            "ok" => Ok(()),
+            t => Err(Self::corrupt(format!("an answer {t:?} to {what}")).into()),
+        }
+    }
+
     /// A reservation's tenant and the base of its tenant group, refusing
     /// an id not minted for that tenant (it would live in another group).
     fn home_of<'r>(&self, res: &'r Reservation) -> Result<(&'r str, String), StoreError<Invalid>> {
@@ -1180,10 +1188,7 @@ impl RedisStore {
             if self.again(&reply, &mut estimate).await? {
                 continue;
             }
-            return match reply.t.as_str() {
-                "ok" => Ok(()),
-                t => Err(Self::corrupt(format!("an answer {t:?} to an import")).into()),
-            };
+            return Self::plain_ok(&reply, "an import");
         }
         Err(Self::give_up().into())
     }
@@ -1239,10 +1244,7 @@ impl RedisStore {
             if self.again(&reply, &mut estimate).await? {
                 continue;
             }
-            return match reply.t.as_str() {
-                "ok" => Ok(()),
-                t => Err(Self::corrupt(format!("an answer {t:?} to a shadow hold")).into()),
-            };
+            return Self::plain_ok(&reply, "a shadow hold");
         }
         Err(Self::give_up().into())
     }

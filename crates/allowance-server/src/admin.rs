@@ -103,23 +103,26 @@ where
     let mut scratch = (*catalog).clone();
     build(&mut scratch)?;
     for name in new_dimensions(limits, &catalog) {
-        state
-            .call(
-                state
-                    .store()
-                    .change_catalog(&CatalogChange::AddDimension(name)),
-            )
-            .await?
-            .map_err(|e| e.into_api(state.now(), &catalog))?;
+        apply_change(state, &CatalogChange::AddDimension(name), &catalog).await?;
     }
     let fresh = state.catalog().await?;
     let mut copy = (*fresh).clone();
     let built = build(&mut copy)?;
-    state
-        .call(state.store().change_catalog(&change(built.clone())))
-        .await?
-        .map_err(|e| e.into_api(state.now(), &fresh))?;
+    apply_change(state, &change(built.clone()), &fresh).await?;
     Ok(built)
+}
+
+/// Applies an admin change through the store; a refusal is answered as
+/// the API answers it (`catalog`: the one the change was built against).
+async fn apply_change(
+    state: &AppState,
+    change: &CatalogChange,
+    catalog: &Catalog,
+) -> Result<(), ApiError> {
+    state
+        .call(state.store().change_catalog(change))
+        .await?
+        .map_err(|e| e.into_api(state.now(), catalog))
 }
 
 /// A plan name in a path: `[A-Za-z0-9._-]{1,64}`, as in the file.
@@ -188,14 +191,7 @@ pub(crate) async fn delete_plan(
         check_plan_name(&name)?;
         let _serial = state.admin_lock().lock().await;
         let catalog = state.catalog().await?;
-        state
-            .call(
-                state
-                    .store()
-                    .change_catalog(&CatalogChange::RevertPlan(name.clone())),
-            )
-            .await?
-            .map_err(|e| e.into_api(state.now(), &catalog))?;
+        apply_change(&state, &CatalogChange::RevertPlan(name.clone()), &catalog).await?;
         let catalog = state.catalog().await?;
         let plan = catalog
             .plan(&name)
@@ -297,10 +293,9 @@ pub(crate) async fn scope_put(
         match (body.plan, body.limits) {
             (Some(plan), None) => {
                 let change = CatalogChange::SetOverride(key.clone(), Override::Plan(plan.clone()));
-                state
-                    .call(state.store().change_catalog(&change))
-                    .await?
-                    .map_err(|e| match e.into_api(state.now(), &catalog) {
+                apply_change(&state, &change, &catalog)
+                    .await
+                    .map_err(|e| match e {
                         // An unknown plan is the body's fault, not a missing route.
                         e if e.status() == 404 => ApiError::invalid(
                             Some("plan".into()),
@@ -358,14 +353,7 @@ pub(crate) async fn scope_delete(
         let catalog = state.catalog().await?;
         let key = scope_for(&catalog, &who, raw, true)?;
         let _serial = state.admin_lock().lock().await;
-        state
-            .call(
-                state
-                    .store()
-                    .change_catalog(&CatalogChange::ClearOverride(key.clone())),
-            )
-            .await?
-            .map_err(|e| e.into_api(state.now(), &catalog))?;
+        apply_change(&state, &CatalogChange::ClearOverride(key.clone()), &catalog).await?;
         tracing::info!(scope = %key, "scope override cleared");
         Ok(("ok", status_view(&state, &key).await?))
     })
