@@ -733,11 +733,14 @@ async fn a_stream_whose_upstream_is_silent_past_the_ttl_keeps_its_hold() {
     // A provider may think for minutes before its next event (the gateway
     // waits up to 10 minutes); the caller's hold must outlive the silence,
     // or its room is handed to others while the call still runs.
+    // (A renewal every ttl/3: 2 s leave a loaded CI machine 1.3 s of slack
+    // per renewal, where 1 s once failed it; without renewals a 2.6 s
+    // silence still outlives the hold.)
     let mut setup = Setup::new("silent");
-    setup.default_ttl_ms = Some(1000);
+    setup.default_ttl_ms = Some(2000);
     let gw = Gw::start(setup).await;
     gw.behave(BehaviorPatch {
-        token_delay_ms: Some(1400),
+        token_delay_ms: Some(2600),
         ..Default::default()
     });
     let body = stream_chat("Think hard.", 2);
