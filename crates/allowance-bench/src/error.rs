@@ -24,6 +24,13 @@ pub enum BenchError {
         #[source]
         source: std::io::Error,
     },
+    /// The server refused the benchmark's credentials (401 or 403): no
+    /// pair could ever complete, so the run stops at the first refusal.
+    #[error(
+        "the server refused the reserve: {0} (give --token an admin token; the benchmark \
+         reserves for its own tenants, bench-*)"
+    )]
+    Refused(String),
     /// A worker task ended abnormally (a bug in the harness, not the server).
     #[error("a bench worker failed: {0}")]
     Worker(String),

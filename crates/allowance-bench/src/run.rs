@@ -39,8 +39,8 @@ fn validate(opts: &BenchOptions) -> Result<(), BenchError> {
         return Err(BenchError::InvalidOption {
             field: "duration",
             reason: format!(
-                "{:?} is outside (0 s, {} s]",
-                opts.duration,
+                "{} ms is outside (0 s, {} s]",
+                opts.duration.as_millis(),
                 MAX_DURATION.as_secs()
             ),
         });
@@ -114,6 +114,9 @@ pub async fn run(opts: &BenchOptions) -> Result<Report, BenchError> {
     reporter.finish();
     if let Some(failure) = failure {
         return Err(failure);
+    }
+    if let Some(answer) = live.refused.get() {
+        return Err(BenchError::Refused(answer.clone()));
     }
     merge(opts, clock, histogram, tallies)
 }

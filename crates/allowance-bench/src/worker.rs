@@ -49,6 +49,9 @@ pub(crate) struct Live {
     pub(crate) pairs: AtomicU64,
     pub(crate) denials: AtomicU64,
     pub(crate) errors: AtomicU64,
+    /// The first 401 or 403 a reserve got: the credentials will not change
+    /// during the run, so every worker stops at once.
+    pub(crate) refused: std::sync::OnceLock<String>,
 }
 
 /// What one worker measured.
@@ -183,7 +186,7 @@ impl Worker {
 
         loop {
             let started = Instant::now();
-            if started >= self.clock.measure_end {
+            if started >= self.clock.measure_end || self.live.refused.get().is_some() {
                 break;
             }
             let measured = started >= self.clock.measure_start;
@@ -247,6 +250,12 @@ impl Worker {
                     continue;
                 }
                 Reserved::Unexpected(kind) => {
+                    if matches!(
+                        answer.status,
+                        StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN
+                    ) {
+                        let _ = self.live.refused.set(kind.clone());
+                    }
                     tally.error(measured, &self.live, format!("reserve: {kind}"));
                     conn = Some(live_conn);
                     continue;

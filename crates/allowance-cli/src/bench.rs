@@ -61,7 +61,8 @@ pub struct BenchArgs {
     gateway: Box<gateway::GatewayArgs>,
 }
 
-/// Runs the benchmark; exit 1 on a setup error (unreachable server, bad option).
+/// Runs the benchmark; exit 1 on a setup error (unreachable server, bad
+/// option, refused credentials) or when no pair completed.
 pub fn run(args: BenchArgs) -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -114,7 +115,17 @@ async fn bench(args: BenchArgs) -> anyhow::Result<String> {
         opts.server = format!("http://{}", start_embedded().await?);
     }
     let mut out = String::new();
-    let target = allowance_bench::run(&opts).await.context("benchmark")?;
+    // Flat: the bench's errors already end with their cause.
+    let target = allowance_bench::run(&opts)
+        .await
+        .map_err(|e| anyhow::anyhow!("benchmark: {e}"))?;
+    if target.pairs == 0 && target.errors > 0 {
+        // A script must not read a run of failures as a measurement.
+        anyhow::bail!(
+            "{target}\nno pair completed: all {} failed (see the errors above)",
+            target.errors
+        );
+    }
     out.push_str(&format!("{target}\n"));
     let ceiling: Option<Report> = if args.ceiling {
         Some(

@@ -318,6 +318,12 @@ async fn open_durable(
         },
         allowance_config::Fsync::Never => WalFsync::Never,
     };
+    if dir.exists() && !dir.is_dir() {
+        anyhow::bail!(
+            "cannot open the data dir {}: it is a file, not a directory",
+            dir.display()
+        );
+    }
     let bar = indicatif::ProgressBar::hidden();
     if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
@@ -341,7 +347,9 @@ async fn open_durable(
         },
     )
     .await
-    .with_context(|| format!("cannot open the data dir {}", dir.display()))?;
+    // Flat: the store's error already ends with the OS's reason, which a
+    // context chain would print a second time.
+    .map_err(|e| anyhow::anyhow!("cannot open the data dir {}: {e}", dir.display()))?;
     bar.finish_and_clear();
     if let Some(torn) = &report.torn_tail {
         if torn.acknowledged_lost {
@@ -391,7 +399,7 @@ async fn open_durable(
     }
     tracing::info!(
         data_dir = %dir.display(),
-        fsync = ?config.store.fsync,
+        fsync = %config.store.fsync,
         snapshot_lsn = report.snapshot_lsn.unwrap_or(0),
         replayed = report.replayed,
         last_lsn = report.last_lsn,

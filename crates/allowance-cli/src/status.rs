@@ -132,21 +132,22 @@ pub fn run(args: StatusArgs) -> ExitCode {
 }
 
 async fn fetch(args: &StatusArgs) -> anyhow::Result<Value> {
-    // The scope goes in the path as is: `/` and `:` are legal there.
-    let url = format!(
-        "{}/v1/scopes/{}",
-        args.server.trim_end_matches('/'),
-        args.scope
-    );
+    let url = scope_url(&args.server, &args.scope)?;
     let client = reqwest::Client::new();
-    let mut req = client.get(&url);
+    let mut req = client.get(url);
     if let Some(t) = &args.token {
         req = req.bearer_auth(t);
     }
-    let resp = req
-        .send()
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot reach {}: {e}", args.server))?;
+    let resp = req.send().await.map_err(|e| {
+        // reqwest's own text names the URL, not why: add the causes.
+        let mut why = e.to_string();
+        let mut cause = std::error::Error::source(&e);
+        while let Some(c) = cause {
+            why.push_str(&format!(": {c}"));
+            cause = c.source();
+        }
+        anyhow::anyhow!("cannot reach {}: {why}", args.server)
+    })?;
     let status = resp.status();
     let body: Value = resp.json().await.map_err(|e| {
         anyhow::anyhow!("the server answered {status} with a body that is not JSON: {e}")
@@ -158,9 +159,48 @@ async fn fetch(args: &StatusArgs) -> anyhow::Result<Value> {
     Ok(body)
 }
 
+/// `{server}/v1/scopes/{scope}` with the scope as one percent-encoded path
+/// segment (HTTP-API.md answer 6), so a `?`, `#` or `..` in it reaches the
+/// server as part of the name instead of cutting or moving the path.
+fn scope_url(server: &str, scope: &str) -> anyhow::Result<reqwest::Url> {
+    let mut url = reqwest::Url::parse(server)
+        .map_err(|e| anyhow::anyhow!("--server {server:?} is not a URL ({e})"))?;
+    if url.cannot_be_a_base() || !matches!(url.scheme(), "http" | "https") {
+        anyhow::bail!("--server {server:?} is not an http:// or https:// URL");
+    }
+    url.path_segments_mut()
+        .map_err(|()| anyhow::anyhow!("--server {server:?} cannot take a path"))?
+        .pop_if_empty()
+        .extend(["v1", "scopes", scope]);
+    Ok(url)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_scope_is_one_encoded_path_segment() {
+        let url = |server: &str, scope: &str| scope_url(server, scope).map(|u| u.to_string());
+        assert_eq!(
+            url("http://127.0.0.1:8787", "tenant:acme/user:bob").unwrap(),
+            "http://127.0.0.1:8787/v1/scopes/tenant:acme%2Fuser:bob"
+        );
+        assert_eq!(
+            url("http://127.0.0.1:8787/", "tenant:a?b").unwrap(),
+            "http://127.0.0.1:8787/v1/scopes/tenant:a%3Fb"
+        );
+        assert_eq!(
+            url("http://h/base/", "tenant:acme/../tenant:x").unwrap(),
+            "http://h/base/v1/scopes/tenant:acme%2F..%2Ftenant:x"
+        );
+        assert_eq!(
+            url("http://h", "tenant:acme#x").unwrap(),
+            "http://h/v1/scopes/tenant:acme%23x"
+        );
+        assert!(url("notaurl", "tenant:a").is_err());
+        assert!(url("ftp://h", "tenant:a").is_err());
+    }
 
     #[test]
     fn bars_show_used_then_held() {

@@ -252,6 +252,28 @@ async fn token_prints_a_token_and_its_sha256_that_a_server_accepts() {
     assert_eq!(r.error_type(), "unauthorized");
     // The hash is not the credential.
     s.get("/v1/plans", Some(&admin_hash)).await.expect(401);
+
+    // bench without a token, or with a tenant's: it stops at the first
+    // refusal and fails, instead of reporting a run of 401s as a result.
+    for token in [None, Some(tenant.clone())] {
+        let base = s.base.clone();
+        let out = tokio::task::spawn_blocking(move || {
+            let mut args = vec!["bench", "--server", &base, "--duration", "30s"];
+            if let Some(t) = &token {
+                args.extend(["--token", t]);
+            }
+            run_bounded(&args, Duration::from_secs(25))
+        })
+        .await
+        .expect("join");
+        assert_eq!(out.status.code(), Some(1), "{out:?}");
+        let stderr = text(&out.stderr);
+        assert!(
+            stderr.contains("the server refused the reserve: 40")
+                && stderr.contains("--token an admin token"),
+            "{stderr}"
+        );
+    }
 }
 
 #[tokio::test]
@@ -309,6 +331,25 @@ async fn status_and_bench_against_a_running_server() {
         .find(|l| l.trim_start().starts_with("tokens"))
         .expect("tokens");
     assert!(tokens.contains('▒'), "{tokens}");
+
+    // A scope with a `?` is looked up as written (one encoded path
+    // segment), not cut at the `?` into `tenant:acme`.
+    let out = tokio::task::spawn_blocking({
+        let base = base.clone();
+        move || {
+            run_bounded(
+                &["status", "tenant:acme?x=1", "--server", &base],
+                Duration::from_secs(30),
+            )
+        }
+    })
+    .await
+    .expect("join");
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        text(&out.stderr).contains("400 Bad Request: invalid scope name \"tenant:acme?x=1\""),
+        "{out:?}"
+    );
 
     // An unreachable server: exit 1 and a clear message.
     let port = {

@@ -154,7 +154,10 @@ fn kinds_in_order(config: &Config) -> Vec<String> {
 /// - a plan that is no kind's default (only an override can use it);
 /// - a custom dimension whose name is close to a built-in one (`token`);
 /// - a per-tenant queue bound above the global one;
-/// - no `[[tokens]]` while listening beyond loopback; a gateway with no keys.
+/// - no `[[tokens]]` while listening beyond loopback; a gateway with no keys;
+/// - `fsync` for a ledger kept in memory (`data_dir = ""`);
+/// - a model the gateway routes that has no price while a plan limits
+///   `cost_micros` (every call to it would be refused).
 pub fn check(config: &Config) -> Vec<Warning> {
     let c = &config.catalog;
     let mut out = Vec::new();
@@ -258,6 +261,9 @@ pub fn check(config: &Config) -> Vec<Warning> {
         }
     }
 
+    for moot in &config.notes.no_effect {
+        out.push(warning(&[], moot.clone()));
+    }
     let q = &config.queue;
     if q.max_waiters_per_tenant > q.max_waiters {
         out.push(warning(
@@ -278,6 +284,30 @@ pub fn check(config: &Config) -> Vec<Warning> {
                 config.server.listen
             ),
         ));
+    }
+    if let Some(g) = &config.gateway {
+        let cost_plans: Vec<&str> = plans_in_order(config)
+            .into_iter()
+            .filter(|p| p.limits_dimension(Dimension::COST_MICROS))
+            .map(|p| p.name())
+            .collect();
+        for up in g.upstreams.iter().filter(|_| !cost_plans.is_empty()) {
+            for model in up
+                .models
+                .iter()
+                .filter(|m| *m != "*" && c.model(m).is_none())
+            {
+                out.push(warning(
+                    &cost_plans,
+                    format!(
+                        "upstream `{}` routes model {model:?}, which has no price in [models], \
+                         while plan `{}` limits cost_micros: the gateway refuses every call to \
+                         it (price it under [models.{model:?}])",
+                        up.name, cost_plans[0]
+                    ),
+                ));
+            }
+        }
     }
     if let Some(g) = &config.gateway
         && g.keys.is_empty()

@@ -115,6 +115,8 @@ pub(crate) struct Notes {
     pub(crate) plan_order: Vec<String>,
     /// Plans that set `overrun` explicitly.
     pub(crate) explicit_overrun: Vec<String>,
+    /// Settings the file gives that the rest of it makes moot, as warnings.
+    pub(crate) no_effect: Vec<String>,
 }
 
 /// Parses a configuration file's text; `source` names it in messages.

@@ -160,7 +160,8 @@ pub(crate) fn parse_text(text: &str, source: &str) -> Result<Config, ConfigError
 
     let currency = read_currency(&mut doc, &root);
     let server = read_server(&mut doc, &root);
-    let store = read_store(&mut doc, &root);
+    let mut notes = Notes::default();
+    let store = read_store(&mut doc, &root, &mut notes);
     let queue = read_queue(&mut doc, &root);
     let (settings, reservations_offset) = read_reservations(&mut doc, &root);
     let mut catalog = match Catalog::new(settings) {
@@ -171,7 +172,6 @@ pub(crate) fn parse_text(text: &str, source: &str) -> Result<Config, ConfigError
             Catalog::default()
         }
     };
-    let mut notes = Notes::default();
     let plans = read_plans(&mut doc, &root, &mut catalog, &mut notes);
     let kinds_written = read_kinds(&mut doc, &root, &mut catalog, &plans, &mut notes);
     read_models(&mut doc, &root, &mut catalog);
@@ -265,7 +265,7 @@ fn read_server(doc: &mut Doc, root: &Table) -> ServerSettings {
     server
 }
 
-fn read_store(doc: &mut Doc, root: &Table) -> StoreSettings {
+fn read_store(doc: &mut Doc, root: &Table, notes: &mut Notes) -> StoreSettings {
     let mut store = StoreSettings::default();
     let Ok(Some(t)) = root.table(doc, "store") else {
         return store;
@@ -317,17 +317,15 @@ fn read_store(doc: &mut Doc, root: &Table) -> StoreSettings {
         ),
         Some(item) => {
             if let Ok(url) = item.str(doc) {
-                let schemes = ["redis://", "rediss://", "redis+", "rediss+", "unix://"];
-                if schemes.iter().any(|s| url.starts_with(s)) && url.len() < 4096 {
-                    store.url = Some(url.to_string());
-                } else {
-                    doc.error(
+                match redis_url_problem(url) {
+                    None => store.url = Some(url.to_string()),
+                    Some(why) => doc.error(
                         item.offset,
                         &item.path,
                         format!(
-                            "expected a Redis URL such as \"redis://127.0.0.1:6379/0\", got {url:?}"
+                            "{why}, got {url:?} (expected such as \"redis://127.0.0.1:6379/0\")"
                         ),
-                    );
+                    ),
                 }
             }
         }
@@ -341,8 +339,9 @@ fn read_store(doc: &mut Doc, root: &Table) -> StoreSettings {
         }
         None => {}
     }
+    let on_error_item = t.get("on_error");
     store.on_error = or(
-        opt(t.get("on_error").map(|i| {
+        opt(on_error_item.as_ref().map(|i| {
             i.one_of(
                 doc,
                 &[
@@ -353,6 +352,19 @@ fn read_store(doc: &mut Doc, root: &Table) -> StoreSettings {
         })),
         OnError::FailClosed,
     );
+    if let Some(item) = &on_error_item
+        && store.on_error == OnError::FailOpenLocal
+        && !redis
+    {
+        // Accepted, it would be ignored: the embedded store has no local
+        // fallback to admit against when its own disk fails.
+        doc.error(
+            item.offset,
+            &item.path,
+            "\"fail_open_local\" is only for kind = \"redis\": the embedded store answers \
+             store_unavailable (503) when its log cannot be written (DURABLE-STORE.md)",
+        );
+    }
     if let Some(item) = t.get("fsync") {
         if redis {
             doc.error(
@@ -389,6 +401,14 @@ fn read_store(doc: &mut Doc, root: &Table) -> StoreSettings {
                 format!("expected a share above 0 and at most 1 (such as 0.1), got {f}"),
             );
         }
+    }
+    // (`fail_open_fraction` under fail_closed is not reported: the starter
+    // shows it beside `on_error` as the knob of the other policy.)
+    if t.get("fsync").is_some() && store.data_dir.is_none() && !redis {
+        notes.no_effect.push(
+            "store.fsync has no effect with data_dir = \"\": the ledger is kept in memory only"
+                .into(),
+        );
     }
     store
 }
@@ -1323,15 +1343,27 @@ fn base_url(doc: &mut Doc, item: &Item) -> Result<String, Bad> {
         .strip_prefix("https://")
         .or_else(|| trimmed.strip_prefix("http://"));
     let problem = match rest {
-        None => Some("expected an http:// or https:// URL such as \"https://api.openai.com\""),
-        Some(host) if host.is_empty() || host.starts_with('/') => Some("the URL has no host"),
+        None => {
+            Some("expected an http:// or https:// URL such as \"https://api.openai.com\"".into())
+        }
+        Some(host) if host.is_empty() || host.starts_with('/') => {
+            Some("the URL has no host".into())
+        }
         Some(_) if trimmed.ends_with("/v1") => Some(
-            "leave out `/v1`: the client's path (/v1/chat/completions) is appended as received",
+            "leave out `/v1`: the client's path (/v1/chat/completions) is appended as received"
+                .into(),
         ),
         Some(_) if url.len() > 2048 || url.chars().any(char::is_whitespace) => {
-            Some("not a valid URL")
+            Some("not a valid URL".into())
         }
-        Some(_) => None,
+        // The parser reqwest uses: a URL it refuses would fail every call.
+        Some(_) => match url::Url::parse(trimmed) {
+            Err(e) => Some(format!("not a valid URL ({e})")),
+            Ok(parsed) if parsed.query().is_some() || parsed.fragment().is_some() => {
+                Some("a base URL has no query or fragment (the client's path is appended)".into())
+            }
+            Ok(_) => None,
+        },
     };
     match problem {
         Some(why) => {
@@ -1339,6 +1371,95 @@ fn base_url(doc: &mut Doc, item: &Item) -> Result<String, Bad> {
             Err(Bad)
         }
         None => Ok(trimmed.to_string()),
+    }
+}
+
+/// What is wrong with a Redis URL, checked as the store will read it (the
+/// parser redis-rs uses, its rules for the host and the database, and the
+/// store's own `redis+sentinel://` form), so that `check-config` refuses
+/// what `serve` could not connect with.
+fn redis_url_problem(url: &str) -> Option<String> {
+    if url.len() > 4096 || url.chars().any(char::is_whitespace) {
+        return Some("not a valid URL".into());
+    }
+    if url.starts_with("rediss+sentinel://") {
+        return Some("TLS through Sentinel (rediss+sentinel://) is not supported yet".into());
+    }
+    if let Some(rest) = url.strip_prefix("redis+sentinel://") {
+        let rest = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
+        let Some((hosts, path)) = rest.split_once('/') else {
+            return Some(
+                "a Sentinel URL names its master: redis+sentinel://host:port/master_name".into(),
+            );
+        };
+        let mut path = path.split('/');
+        if path.next().is_none_or(str::is_empty) {
+            return Some(
+                "a Sentinel URL names its master: redis+sentinel://host:port/master_name".into(),
+            );
+        }
+        if let Some(problem) = db_problem(path.next().unwrap_or("")) {
+            return Some(problem);
+        }
+        if path.next().is_some() {
+            return Some("a Sentinel URL ends at /master_name[/db]".into());
+        }
+        if hosts.split(',').all(str::is_empty) {
+            return Some("a Sentinel URL needs at least one sentinel address".into());
+        }
+        for host in hosts.split(',').filter(|h| !h.is_empty()) {
+            if let Some(problem) = tcp_problem(&format!("redis://{host}")) {
+                return Some(format!("sentinel {host:?}: {problem}"));
+            }
+        }
+        return None;
+    }
+    let parsed = match url::Url::parse(url) {
+        Ok(parsed) => parsed,
+        Err(e) => return Some(format!("not a valid URL ({e})")),
+    };
+    match parsed.scheme() {
+        "redis" | "rediss" | "valkey" | "valkeys" => tcp_problem(url),
+        "unix" | "redis+unix" | "valkey+unix" => match parsed.to_file_path() {
+            Ok(path) if path.as_os_str().len() > 1 => None,
+            _ => Some("a unix:// URL names the socket's path: unix:///run/redis.sock".into()),
+        },
+        other => Some(format!(
+            "unknown scheme {other:?}: expected redis://, rediss://, redis+sentinel:// or unix://"
+        )),
+    }
+}
+
+/// A TCP Redis URL's host, port, database and fragment, as redis-rs reads
+/// them.
+fn tcp_problem(url: &str) -> Option<String> {
+    let parsed = match url::Url::parse(url) {
+        Ok(parsed) => parsed,
+        Err(e) => return Some(format!("not a valid URL ({e})")),
+    };
+    match parsed.host_str() {
+        None | Some("") => return Some("the URL has no host".into()),
+        Some("0.0.0.0" | "[::]") => {
+            return Some("a wildcard address (0.0.0.0 or ::) is not a server to connect to".into());
+        }
+        Some(_) => {}
+    }
+    if let Some(problem) = db_problem(parsed.path().trim_matches('/')) {
+        return Some(problem);
+    }
+    match parsed.fragment() {
+        None => None,
+        Some("insecure") if matches!(parsed.scheme(), "rediss" | "valkeys") => None,
+        Some(_) => Some("the only fragment is #insecure, on a rediss:// URL".into()),
+    }
+}
+
+/// The database number of a Redis URL's path (`""` is database 0).
+fn db_problem(db: &str) -> Option<String> {
+    match db {
+        "" => None,
+        db if db.parse::<u32>().is_ok() => None,
+        db => Some(format!("the database {db:?} is not a number")),
     }
 }
 

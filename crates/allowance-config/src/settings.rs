@@ -56,6 +56,23 @@ pub enum Fsync {
     Never,
 }
 
+impl Fsync {
+    /// The name the file uses (`always`, `batch`, `never`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Fsync::Always => "always",
+            Fsync::Batch => "batch",
+            Fsync::Never => "never",
+        }
+    }
+}
+
+impl std::fmt::Display for Fsync {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// `[store]`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StoreSettings {

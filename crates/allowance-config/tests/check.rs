@@ -216,3 +216,57 @@ tenant = "acme"
     }
     assert!(!table.contains("~gateway"), "{table}");
 }
+
+#[test]
+fn store_settings_the_rest_of_the_file_makes_moot() {
+    let messages =
+        |text: &str| -> Vec<String> { findings(text).into_iter().map(|w| w.to_string()).collect() };
+    assert_eq!(
+        messages("[store]\ndata_dir = \"\"\nfsync = \"never\"\n"),
+        [
+            "warning: store.fsync has no effect with data_dir = \"\": the ledger is kept in \
+          memory only"
+        ]
+    );
+    // Where they apply, no warning.
+    assert!(
+        messages(
+            "[store]\nkind = \"redis\"\nurl = \"redis://127.0.0.1/0\"\non_error = \
+             \"fail_open_local\"\nfail_open_fraction = 0.2\n"
+        )
+        .is_empty()
+    );
+    assert!(messages("[store]\ndata_dir = \"./d\"\nfsync = \"never\"\n").is_empty());
+}
+
+#[test]
+fn a_routed_model_without_a_price_under_a_cost_limit_is_refused_at_every_call() {
+    let text = r#"
+[kinds.tenant]
+plan = "t"
+[plans.t]
+limits = [{ dimension = "cost_micros", capacity = 1_000_000, window = "total" }]
+[models."gpt-4o"]
+input_per_million = "2.50"
+output_per_million = "10.00"
+[[gateway.upstreams]]
+name = "openai"
+base_url = "http://127.0.0.1:9000"
+models = ["gpt-4o", "gpt-4o-mini"]
+[[gateway.keys]]
+sha256 = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+tenant = "acme"
+"#;
+    let messages: Vec<String> = findings(text).into_iter().map(|w| w.to_string()).collect();
+    assert_eq!(
+        messages,
+        [
+            "warning: upstream `openai` routes model \"gpt-4o-mini\", which has no price in \
+          [models], while plan `t` limits cost_micros: the gateway refuses every call to it \
+          (price it under [models.\"gpt-4o-mini\"])"
+        ]
+    );
+    // Without a cost limit an unpriced model is fine.
+    let no_cost = text.replace("cost_micros", "tokens");
+    assert!(findings(&no_cost).is_empty(), "{:?}", findings(&no_cost));
+}

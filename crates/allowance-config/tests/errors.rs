@@ -549,3 +549,114 @@ fn window_bounds_are_stated_with_their_units() {
         ],
     );
 }
+
+#[test]
+fn redis_urls_are_checked_as_the_store_reads_them() {
+    let bad = |url: &str, why: &str| {
+        check(
+            &format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\n"),
+            &[&format!(
+                "error: bad.toml:3: key `store.url`: {why}, got \"{url}\" (expected such as \"redis://127.0.0.1:6379/0\")"
+            )],
+        );
+    };
+    bad(
+        "redis+bogus://x",
+        "unknown scheme \"redis+bogus\": expected redis://, rediss://, redis+sentinel:// or unix://",
+    );
+    bad("redis://", "the URL has no host");
+    bad(
+        "redis://127.0.0.1:99999/0",
+        "not a valid URL (invalid port number)",
+    );
+    bad(
+        "redis://127.0.0.1:6379/notadb",
+        "the database \"notadb\" is not a number",
+    );
+    bad(
+        "redis://0.0.0.0:6379",
+        "a wildcard address (0.0.0.0 or ::) is not a server to connect to",
+    );
+    bad(
+        "redis://r:6379#insecure",
+        "the only fragment is #insecure, on a rediss:// URL",
+    );
+    bad(
+        "http://r:6379",
+        "unknown scheme \"http\": expected redis://, rediss://, redis+sentinel:// or unix://",
+    );
+    bad(
+        "redis+sentinel://s1:26379",
+        "a Sentinel URL names its master: redis+sentinel://host:port/master_name",
+    );
+    bad(
+        "redis+sentinel:///mymaster",
+        "a Sentinel URL needs at least one sentinel address",
+    );
+    bad(
+        "redis+sentinel://s1:263790/mymaster",
+        "sentinel \"s1:263790\": not a valid URL (invalid port number)",
+    );
+    bad(
+        "redis+sentinel://s1:26379/mymaster/x",
+        "the database \"x\" is not a number",
+    );
+    bad(
+        "rediss+sentinel://s1:26379/mymaster",
+        "TLS through Sentinel (rediss+sentinel://) is not supported yet",
+    );
+    bad(
+        "unix://",
+        "a unix:// URL names the socket's path: unix:///run/redis.sock",
+    );
+    for good in [
+        "redis://127.0.0.1:6379/0",
+        "redis://r",
+        "redis://user:p%40ss@[::1]:6380/3",
+        "rediss://r:6380/0#insecure",
+        "valkey://r:6379",
+        "unix:///run/redis.sock",
+        "redis+unix:///run/redis.sock?db=2",
+        "redis+sentinel://s1:26379,s2:26379/mymaster/1",
+        "redis+sentinel://:secret@s1:26379/mymaster",
+    ] {
+        parse(
+            &format!("[store]\nkind = \"redis\"\nurl = \"{good}\"\n"),
+            "ok.toml",
+        )
+        .unwrap_or_else(|e| panic!("{good}: {e}"));
+    }
+}
+
+#[test]
+fn fail_open_local_is_for_the_redis_store() {
+    check(
+        "[store]\non_error = \"fail_open_local\"\n",
+        &[
+            "error: bad.toml:2: key `store.on_error`: \"fail_open_local\" is only for kind = \"redis\": the embedded store answers store_unavailable (503) when its log cannot be written (DURABLE-STORE.md)",
+        ],
+    );
+}
+
+#[test]
+fn an_upstream_base_url_reqwest_would_refuse_is_refused_here() {
+    let bad = |url: &str, why: &str| {
+        check(
+            &format!(
+                "[[gateway.upstreams]]\nname = \"openai\"\nbase_url = \"{url}\"\nmodels = [\"*\"]\n"
+            ),
+            &[&format!(
+                "error: bad.toml:3: key `gateway.upstreams[0].base_url`: {why}, got \"{url}\""
+            )],
+        );
+    };
+    bad("http://[::1", "not a valid URL (invalid IPv6 address)");
+    bad(
+        "https://host:99999",
+        "not a valid URL (invalid port number)",
+    );
+    bad(
+        "https://host/path?x=1",
+        "a base URL has no query or fragment (the client's path is appended)",
+    );
+}
