@@ -125,6 +125,23 @@ impl LedgerFunction {
 /// catalog changed, a calendar boundary passed, an extend raced a settle).
 const MAX_ATTEMPTS: usize = 8;
 
+/// Attempts at a settle or an extend whose record other extends keep
+/// changing between its read and its script. A settle starts over at once
+/// and an extend only after [`contention_pause`], so settles win such races
+/// (a stream of extends starved them into 503s); each attempt is two round
+/// trips, so this is tens of milliseconds at worst.
+const MAX_CONTENDED_ATTEMPTS: usize = 256;
+
+/// A random pause of up to a millisecond for an extend that lost a race for
+/// its record: extenders spread out and a settle finds the record still.
+fn contention_pause() -> Duration {
+    use std::hash::{BuildHasher, Hasher};
+    let random = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    Duration::from_micros(random % 1_000)
+}
+
 /// How a [`RedisStore`] connects and names its keys.
 #[derive(Clone, Debug)]
 pub struct RedisOptions {
@@ -1506,7 +1523,7 @@ impl Store for RedisStore {
         // The record this instance granted, if it still remembers it: the
         // read is skipped (the script refuses if an extend changed it).
         let mut remembered = self.recent.lock().remove(&id);
-        for _ in 0..MAX_ATTEMPTS {
+        for _ in 0..MAX_CONTENDED_ATTEMPTS {
             let (catalog, version) = self.snapshot();
             let (rec, res, charged) = match remembered.take() {
                 Some(rec) => {
@@ -1606,7 +1623,7 @@ impl Store for RedisStore {
         let base = self.tenant_base(id.tag());
         let mut estimate = self.estimate_ms();
         self.recent.lock().remove(&id);
-        for _ in 0..MAX_ATTEMPTS {
+        for _ in 0..MAX_CONTENDED_ATTEMPTS {
             let (catalog, version) = self.snapshot();
             check_extend(&catalog, amounts, ttl_ms).map_err(StoreError::Rejected)?;
             let Some(rec) = self.peek(&catalog, id).await? else {
@@ -1651,6 +1668,9 @@ impl Store for RedisStore {
                 self.call(&base, &r).await?
             };
             if self.again(&reply, &mut estimate).await? {
+                if reply.t == "retry" {
+                    tokio::time::sleep(contention_pause()).await;
+                }
                 continue;
             }
             return match reply.t.as_str() {
