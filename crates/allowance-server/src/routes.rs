@@ -621,6 +621,7 @@ async fn wait_for_room(
             _ = tokio::time::sleep_until(deadline) => match queue.remove(ticket) {
                 Some(d) => {
                     ::metrics::counter!("allowance_queue_timeouts_total").increment(1);
+                    let d = denial_now(state, req).await.unwrap_or(d);
                     Some(Err(StoreError::Rejected(ReserveError::Denied(d))))
                 }
                 // Admitted in the same instant: the grant is on its way.
@@ -635,6 +636,20 @@ async fn wait_for_room(
             "the admission queue stopped".into(),
         )))
     }))
+}
+
+/// The denial a reserve gets now, by a dry run: a waiter whose `wait_ms`
+/// ran out is told the room there is now (its last denial's `remaining`
+/// may be seconds old: a bucket refilled meanwhile). `None` if the dry run
+/// would pass (the waiter's last denial then stands) or the store failed.
+async fn denial_now(state: &AppState, req: &ReserveRequest) -> Option<Box<allowance_core::Denial>> {
+    let mut dry = req.clone();
+    dry.dry_run = true;
+    dry.idempotency_key = None;
+    match state.call(state.store().reserve(&dry)).await {
+        Ok(Err(StoreError::Rejected(ReserveError::Denied(d)))) => Some(d),
+        _ => None,
+    }
 }
 
 /// Takes a waiter out of the queue when its request is dropped.

@@ -612,3 +612,54 @@ limits = [{ dimension = "concurrent", capacity = 1 }]
         .expect("json");
     assert_eq!(got["status"], "held", "{got}");
 }
+
+/// A waiter whose `wait_ms` runs out is told the room there is at that
+/// moment, not the `remaining` of its first refusal seconds earlier (a
+/// bucket refilled meanwhile; found by an audit: `remaining` 0 and
+/// `RateLimit: r=0` while a dry run said 429).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_that_runs_out_is_told_the_room_there_is_now() {
+    let w = World::start(
+        r#"
+[kinds.tenant]
+plan = "b"
+[plans.b]
+limits = [{ dimension = "tokens", capacity = 1000, window = "bucket", period = "10s" }]
+"#,
+    )
+    .await;
+    let full = w
+        .reserve(&json!({"tenant": "t", "amounts": {"tokens": 1000}}))
+        .await;
+    assert_eq!(full.status, 201, "{:?}", full.json);
+    let id = full.json["id"].as_str().expect("an id");
+    let settled = w
+        .post(
+            &format!("/v1/reservations/{id}/settle"),
+            &json!({"usage": {"tokens": 1000}}),
+        )
+        .await;
+    assert_eq!(settled.status, 200, "{:?}", settled.json);
+    // 900 tokens come back in 9 s; the waiter gives up after 1.5 s, when
+    // about 150 have.
+    let answer = w
+        .reserve(&json!({"tenant": "t", "amounts": {"tokens": 900}, "wait_ms": 1500}))
+        .await;
+    assert_eq!(answer.status, 429, "{:?}", answer.json);
+    let remaining = answer.json["error"]["remaining"]
+        .as_i64()
+        .expect("remaining");
+    assert!(
+        (100..=300).contains(&remaining),
+        "the room at the deadline (~150), not at the first refusal (0): {:?}",
+        answer.json
+    );
+    let retry = answer.json["error"]["retry_after_ms"]
+        .as_u64()
+        .expect("retry");
+    assert!(
+        (6_000..=8_000).contains(&retry),
+        "~7.5 s until 900 fit: {:?}",
+        answer.json
+    );
+}
