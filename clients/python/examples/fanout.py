@@ -49,7 +49,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from allowance import AsyncClient, Client, Denied, ScopeStatus, idempotency_key
+from allowance import AsyncClient, Client, Denied, HeldElsewhere, ScopeStatus, idempotency_key
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,8 @@ class Outcome:
 
     task: str
     result: str
-    """``admitted``, ``already_done`` (a replay of finished work) or ``refused``."""
+    """``admitted``, ``already_done`` (a replay of finished work), ``in_progress``
+    (held by another run with the same ``--run`` right now) or ``refused``."""
     attempts: int = 0
     """Model-call attempts inside the hold (1 = no retry)."""
     denial: Denied | None = None
@@ -139,6 +140,10 @@ class Report:
             f"  already done  {self.count('already_done'):4d}  (replayed by idempotency key)",
             f"  refused       {self.count('refused'):4d}",
         ]
+        if self.count("in_progress"):
+            lines.append(
+                f"  in progress   {self.count('in_progress'):4d}  (held by another run right now)"
+            )
         for (kind, scope, dimension), n in sorted(self.refusals.items()):
             refused = [o.task for o in self.outcomes if o.denial and o.denial.scope == scope]
             lines.append(f"    {n:4d} {kind} by {scope} ({dimension}): {' '.join(refused)}")
@@ -222,6 +227,10 @@ async def sub_task(
                         continue
                     await r.settle(usage)
                     return Outcome(name, "admitted", attempts=attempt)
+        except HeldElsewhere:
+            # Another run with the same --run holds this sub-task right now:
+            # its work is in progress there, not to be done twice.
+            return Outcome(name, "in_progress")
         except Denied as denial:
             return Outcome(name, "refused", denial=denial)
     raise AssertionError("unreachable: every attempt returns or raises")

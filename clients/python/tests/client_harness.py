@@ -296,6 +296,18 @@ class Redis:
         except OSError:
             return False
 
+    def pause(self) -> None:
+        """SIGSTOP: the store stops answering but keeps its connections;
+        what the server sent meanwhile runs when it resumes (after the
+        server answered 503: an outcome the client could not know)."""
+        assert self.proc is not None and self.proc.poll() is None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`pause`."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+
     def kill(self) -> None:
         """SIGKILL: the store vanishes without warning."""
         if self.proc is not None and self.proc.poll() is None:
@@ -305,6 +317,7 @@ class Redis:
 
     def close(self) -> None:
         """Kills it and removes its directory."""
+        self.resume()
         self.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
 

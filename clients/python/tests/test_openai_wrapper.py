@@ -260,6 +260,7 @@ async def test_async_wrapper(stub: Stub, aacme: AsyncClient, acme: Client) -> No
             upstream, aacme, tenant="acme", scopes={"user": user}, tranche_tokens=16
         )
         reply = await ai.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=12)
+        assert reply.usage is not None
         assert reply.usage.completion_tokens == 12
         stream = await ai.chat.completions.create(model="gpt-4o", messages=MESSAGES, stream=True)
         texts = [c.choices[0].delta.content async for c in stream if c.choices]

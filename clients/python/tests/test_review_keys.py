@@ -77,20 +77,33 @@ def test_a_key_is_the_same_in_another_process() -> None:
 
 
 def test_a_key_the_client_builds_is_one_the_server_accepts(acme: Client) -> None:
-    # The client bounds the key at 200 *characters*; the server bounds it at
-    # 200 *bytes* (Rust's `str::len`). A run id with non-ASCII letters makes
-    # a key the client calls valid and the server refuses with a 400.
-    run = "exécution-" + "é" * 60 + unique("r")
-    try:
-        key = idempotency_key(run, "t7", "openai", {"n": 1})
-    except ValueError:
-        return  # refusing it up front is fine too
+    # The server and SEMANTICS.md bound a key at 200 *characters* (code
+    # points), not bytes: a key of exactly 200 characters, most of them
+    # two-byte letters (328 bytes of UTF-8), is one the client must build
+    # and the server accepts.
+    fixed = len("v1:") + len(":t7:openai:") + 64  # prefix, separators, the sha256
+    tag = unique("r")
+    run = "é" * (200 - fixed - len(tag)) + tag
+    key = idempotency_key(run, "t7", "openai", {"n": 1})
+    assert len(key) == 200
+    assert len(key.encode("utf-8")) > 300
     try:
         r = acme.reserve("acme", {"tokens": 1}, idempotency_key=key)
     except InvalidRequest as e:
         pytest.fail(f"{len(key)} characters, {len(key.encode())} bytes: the server says {e}")
     assert r.replayed is False
     r.refund()
+
+
+def test_a_key_one_character_too_long_is_refused_before_the_server(acme: Client) -> None:
+    fixed = len("v1:") + len(":t7:openai:") + 64
+    run = "a" * (201 - fixed)
+    with pytest.raises(ValueError, match="201 characters"):
+        idempotency_key(run, "t7", "openai", {"n": 1})
+    # ... as the server would refuse it: 201 characters is a 400.
+    with pytest.raises(InvalidRequest) as e:
+        acme.reserve("acme", {"tokens": 1}, idempotency_key="é" * 201)
+    assert e.value.field == "idempotency_key"
 
 
 def test_a_key_refuses_inputs_json_cannot_name_exactly() -> None:

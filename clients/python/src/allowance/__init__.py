@@ -17,7 +17,7 @@ sent again, never turned into a refund); leaving it without a settle settles
 at the estimate, then warns (:class:`UnsettledReservationWarning`).
 """
 
-from ._shared import UnsettledReservationWarning
+from ._shared import SettleFailedWarning, UnsettledReservationWarning
 from .aio import AsyncClient, AsyncReservation, AsyncStreamMeter, PendingReservation
 from .client import Client, Reservation, StreamMeter
 from .errors import (
@@ -29,6 +29,7 @@ from .errors import (
     Denied,
     ExceedsLimit,
     Forbidden,
+    HeldElsewhere,
     InvalidRequest,
     NotFound,
     PayloadTooLarge,
@@ -69,6 +70,7 @@ __all__ = [
     "Denied",
     "ExceedsLimit",
     "Forbidden",
+    "HeldElsewhere",
     "InvalidRequest",
     "LimitSpec",
     "LimitStatus",
@@ -83,6 +85,7 @@ __all__ = [
     "ReservationStatus",
     "ReserveOptions",
     "ScopeStatus",
+    "SettleFailedWarning",
     "StoreUnavailable",
     "StreamMeter",
     "Unauthorized",

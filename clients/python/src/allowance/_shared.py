@@ -21,6 +21,7 @@ from .errors import (
     Conflict,
     ConnectionFailed,
     Denied,
+    HeldElsewhere,
     InvalidRequest,
     NotFound,
     RateLimited,
@@ -51,6 +52,14 @@ class UnsettledReservationWarning(UserWarning):
     usage to silence it. The settle happens first, so turning warnings into
     errors (``python -W error``) still charges the call.
     """
+
+
+class SettleFailedWarning(UserWarning):
+    """A call ran (and was paid for) but its settle could not reach the
+    server, even after retries: the reply is returned all the same, and the
+    hold stays until its TTL, which frees the room but records nothing, so
+    the call goes uncharged. The message names the reservation and the
+    usage to record (an admin ``adjust`` can debit it)."""
 
 
 @dataclass
@@ -86,12 +95,30 @@ class GuardState:
     """What a reservation guard knows, whichever client drives it."""
 
     info: ReservationInfo
+    owned: bool = True
+    """False for a replay (same idempotency key) of a reservation that is
+    another caller's: the guard never settles or refunds it."""
     observed_output_tokens: int = 0
     """Output tokens a streaming meter has seen arrive."""
     cut: Denied | None = None
     """The denial that stopped a metered stream, if one did."""
     settle_attempt: SettleAttempt | None = None
     """The last settle sent from the block and not yet confirmed."""
+
+    @classmethod
+    def of(cls, info: ReservationInfo, *, replay_is_ours: bool = False) -> GuardState:
+        """The guard of a reserve's answer: a fresh reservation is the
+        caller's; a replayed one only when ``replay_is_ours`` (an earlier
+        attempt of the same call, with the same key, had an unknown
+        outcome)."""
+        return cls(info, owned=not info.replayed or replay_is_ours)
+
+    def enter(self) -> None:
+        """Entering the guard: a replay of a reservation another caller
+        still holds raises :class:`~allowance.HeldElsewhere` before the
+        block runs, so the duplicate call is not made."""
+        if not self.owned and self.info.status == "held":
+            raise HeldElsewhere(self.info)
 
     def begin_settle(
         self, usage: Mapping[str, int], charges: Sequence[Charge] | None
@@ -111,7 +138,8 @@ class GuardState:
         """What leaving the ``with`` block does.
 
         - already ended (settled, refunded, expired, or a replay of an
-          ended reservation): nothing;
+          ended reservation), or another caller's (a replay of a hold it
+          did not make): nothing;
         - a settle from the block failed (an error, a lost answer, a
           cancellation mid-flight): the call ran, so never a refund. The
           same settle is sent again (settle is idempotent); if the server
@@ -126,7 +154,7 @@ class GuardState:
         - any other exception after tokens streamed: settle what was seen,
           because the provider counted those tokens.
         """
-        if self.info.status != "held":
+        if self.info.status != "held" or not self.owned:
             return _NOTHING
         attempt = self.settle_attempt
         if attempt is not None:
@@ -216,8 +244,11 @@ def caller_exception(exc: BaseException | None) -> BaseException | None:
 
 def add_note(exc: BaseException, action: str, error: BaseException) -> None:
     """Notes on the caller's exception that cleaning up failed too (the TTL
-    will release the hold)."""
-    note = f"allowance: {action} after this exception failed: {error!r}; the hold expires by TTL"
+    will release the hold, recording nothing)."""
+    note = (
+        f"allowance: {action} after this exception failed: {error!r}; "
+        "the hold expires by TTL, recording nothing"
+    )
     if hasattr(exc, "add_note"):
         exc.add_note(note)
 

@@ -13,12 +13,13 @@ from collections.abc import (
     AsyncIterator,
     Awaitable,
     Callable,
+    Coroutine,
     Generator,
     Mapping,
     Sequence,
 )
 from types import TracebackType
-from typing import Any, TypeVar, Unpack
+from typing import Any, TypeVar, Unpack, overload
 
 import httpx
 
@@ -33,7 +34,7 @@ from ._shared import (
     caller_exception,
 )
 from .client import DEFAULT_TIMEOUT_S
-from .errors import AllowanceError, ConnectionFailed, Denied, StoreUnavailable
+from .errors import AllowanceError, Conflict, ConnectionFailed, Denied, StoreUnavailable
 from .types import (
     Charge,
     LimitSpec,
@@ -46,6 +47,9 @@ from .types import (
 )
 
 T = TypeVar("T")
+
+_UNKNOWN = (StoreUnavailable, ConnectionFailed)
+"""Errors after which the server may have acted or not (outcome unknown)."""
 
 
 class AsyncClient:
@@ -74,8 +78,10 @@ class AsyncClient:
             timeout=timeout_s,
             transport=transport,
         )
-        # Refunds of holds whose reserve was cancelled in flight: referenced
-        # here until done, or the event loop could drop them half-way.
+        # Reserves cancelled in flight, and the refunds of what they held;
+        # settles and refunds cancelled in flight: referenced here until
+        # done (or the event loop could drop them half-way), and awaited by
+        # ``aclose`` before it closes the pool.
         self._background: set[asyncio.Future[Any]] = set()
 
     async def __aenter__(self) -> AsyncClient:
@@ -85,10 +91,15 @@ class AsyncClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Closes the connection pool (after any refund of a hold whose
-        reserve was cancelled in flight)."""
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        """Closes the connection pool, once the work the client still owes
+        is done: a reserve cancelled in flight runs to its answer and what
+        it held is refunded; a settle or refund cancelled in flight runs to
+        its end (each bounded by the client's timeouts)."""
+        # A task that ends may start another (a reserve's answer, then its
+        # refund): wait until none is left. `wait`, not `gather`: cancelling
+        # this must not cancel them.
+        while self._background:
+            await asyncio.wait(list(self._background))
         await self._http.aclose()
 
     async def _send(self, call: _api.Call[T]) -> T:
@@ -108,29 +119,104 @@ class AsyncClient:
     ) -> AsyncReservation:
         """One reserve request, safe to cancel: once sent, the server may
         hold for it whatever happens to the caller, so the request runs to
-        its answer in its own task, and a hold nobody will receive is
-        refunded when it arrives. A replayed one is left to its owner —
-        unless ``replay_is_ours``: an earlier attempt of the same call, with
-        the same key, had an unknown outcome, so the hold is that call's."""
+        its answer in its own task (``aclose`` waits for it), and a hold
+        nobody will receive is refunded when it arrives. A replayed one is
+        left to its owner — unless ``replay_is_ours``: an earlier attempt of
+        the same call, with the same key, had an unknown outcome, so the
+        hold is that call's. An answer that leaves the outcome unknown (a
+        503, a lost answer) is cleared up by replaying the key, if any."""
         request = asyncio.ensure_future(self._send(_api.reserve(tenant, amounts, options)))
         try:
             info = await asyncio.shield(request)
         except asyncio.CancelledError:
+            # The release first: it keeps its refund before the request is
+            # dropped from `_background`, so `aclose` never sees it empty.
             request.add_done_callback(
-                lambda r: self._release_abandoned(r, replay_is_ours=replay_is_ours)
+                lambda r: self._release_abandoned(
+                    r, tenant, amounts, options, replay_is_ours=replay_is_ours
+                )
             )
+            self._keep(request)
             raise
-        return AsyncReservation(self, info)
+        return AsyncReservation(self, info, replay_is_ours=replay_is_ours)
 
     def _release_abandoned(
-        self, request: asyncio.Future[ReservationInfo], *, replay_is_ours: bool
+        self,
+        request: asyncio.Future[ReservationInfo],
+        tenant: str,
+        amounts: Mapping[str, int],
+        options: ReserveOptions,
+        *,
+        replay_is_ours: bool,
     ) -> None:
-        if request.cancelled() or request.exception() is not None:
-            return  # nothing was granted (or nobody can know): the TTL is the backstop
+        if request.cancelled():
+            return
+        error = request.exception()
+        if error is not None:
+            if isinstance(error, _UNKNOWN):
+                self._release_unknown(tenant, amounts, options)
+            return  # otherwise nothing was granted
         info = request.result()
         if info.status != "held" or (info.replayed and not replay_is_ours) or info.id is None:
             return
-        self._in_background(self.refund(info.id))
+        self._in_background(self._refund_until_known(info.id))
+
+    def _release_unknown(
+        self, tenant: str, amounts: Mapping[str, int], options: ReserveOptions
+    ) -> None:
+        """A reserve of a call that will not receive its hold had an unknown
+        outcome: with an idempotency key, replay it in the background and
+        refund what the key holds (without a key nobody can know: the TTL
+        is the backstop)."""
+        if options.get("idempotency_key") is not None:
+            self._in_background(self._replay_and_refund(tenant, amounts, options))
+
+    async def _replay_and_refund(
+        self, tenant: str, amounts: Mapping[str, int], options: ReserveOptions
+    ) -> None:
+        """Replays a reserve whose outcome was unknown (same key, no
+        queueing) until the answer is known, within the client's timeout,
+        and refunds what it holds: the earlier attempt's hold (the replay is
+        this call's, as in ``reserve_or_wait``), or a new one if that
+        attempt held nothing. A denial means the key holds nothing."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        replay = ReserveOptions(**options)
+        replay.pop("wait_ms", None)
+        delay = 0.05
+        while True:
+            try:
+                info = await self._send(_api.reserve(tenant, amounts, replay))
+                break
+            except (*_UNKNOWN, Conflict):
+                # Still unknown, or the first attempt still waits in the
+                # server's queue (a 409): ask again.
+                if loop.time() + delay > deadline:
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+            except AllowanceError:
+                return
+        if info.status == "held" and info.id is not None:
+            await self._refund_until_known(info.id, deadline)
+
+    async def _refund_until_known(self, reservation_id: str, deadline: float | None = None) -> None:
+        """Refunds a hold nobody will receive, retrying (refund is
+        idempotent) while the outcome is unknown, within the client's
+        timeout."""
+        loop = asyncio.get_running_loop()
+        if deadline is None:
+            deadline = loop.time() + self.timeout_s
+        delay = 0.05
+        while True:
+            try:
+                await self.refund(reservation_id)
+                return
+            except _UNKNOWN:
+                if loop.time() + delay > deadline:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     def _in_background(self, call: Awaitable[Any]) -> asyncio.Future[Any]:
         """Runs ``call`` in a task of its own, kept until done (``aclose``
@@ -168,8 +254,9 @@ class AsyncClient:
     def reserve(
         self, tenant: str, amounts: Mapping[str, int], **options: Unpack[ReserveOptions]
     ) -> PendingReservation:
-        """Holds ``amounts``; ``await`` it, or use it directly in ``async with``
-        (see :meth:`allowance.Client.reserve`)."""
+        """Holds ``amounts``; ``await`` it, use it directly in ``async with``,
+        or hand it to ``asyncio.create_task`` (it is a coroutine; see
+        :meth:`allowance.Client.reserve`)."""
 
         async def run() -> AsyncReservation:
             return await self._reserve_once(tenant, amounts, options)
@@ -211,14 +298,21 @@ class AsyncClient:
                         tenant, amounts, attempt, replay_is_ours=unknown
                     )
                 except AllowanceError as e:
-                    if isinstance(e, (StoreUnavailable, ConnectionFailed)):
+                    if isinstance(e, _UNKNOWN):
                         unknown = True
                     if policy.adapt(e):
                         continue
                     delay = policy.delay_s(e)
                     if delay is None:
                         raise
+                try:
                     await asyncio.sleep(delay)
+                except asyncio.CancelledError:
+                    # Cancelled between attempts: one that had an unknown
+                    # outcome may have held, for nobody now.
+                    if unknown:
+                        self._release_unknown(tenant, amounts, options)
+                    raise
 
         return PendingReservation(run)
 
@@ -314,19 +408,22 @@ class AsyncClient:
         return await self._send(_api.adjust(scope, dimension, amount, reason))
 
 
-class PendingReservation:
+class PendingReservation(Coroutine[Any, Any, "AsyncReservation"]):
     """A reserve in flight: ``await`` it for the :class:`AsyncReservation`,
-    or enter it with ``async with`` to guard the block.
+    enter it with ``async with`` to guard the block, or run it as a task
+    (``asyncio.create_task``, a ``TaskGroup``: it is a coroutine).
 
-    The reserve is sent once, on the first ``await`` (or ``async with``);
-    awaiting again answers the same reservation. Cancelling the awaiting
-    task while the request is on the wire leaks no hold: a hold granted
-    after the cancellation is refunded."""
+    The reserve is sent once, on the first ``await`` (or ``async with``,
+    or the task's first step); awaiting again answers the same
+    reservation. Cancelling the awaiting task while the request is on the
+    wire leaks no hold: a hold granted after the cancellation is refunded
+    (``aclose`` waits for it)."""
 
     def __init__(self, run: Callable[[], Awaitable[AsyncReservation]]) -> None:
         self._run = run
         self._task: asyncio.Future[AsyncReservation] | None = None
         self._reservation: AsyncReservation | None = None
+        self._driver: Generator[Any, None, AsyncReservation] | None = None
 
     async def _result(self) -> AsyncReservation:
         if self._task is None:
@@ -336,9 +433,49 @@ class PendingReservation:
     def __await__(self) -> Generator[Any, None, AsyncReservation]:
         return self._result().__await__()
 
+    # The coroutine protocol, for a task that runs this object itself.
+
+    def _drive(self) -> Generator[Any, None, AsyncReservation]:
+        if self._driver is None:
+            self._driver = self.__await__()
+        return self._driver
+
+    def send(self, value: Any) -> Any:
+        """Steps the reserve (what a task does with its coroutine)."""
+        return self._drive().send(value)
+
+    @overload
+    def throw(
+        self,
+        typ: type[BaseException],
+        val: BaseException | object = None,
+        tb: TracebackType | None = None,
+        /,
+    ) -> Any: ...
+
+    @overload
+    def throw(
+        self, typ: BaseException, val: None = None, tb: TracebackType | None = None, /
+    ) -> Any: ...
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None, /) -> Any:
+        """Raises ``typ`` where the reserve waits (a task's cancellation)."""
+        driver = self._drive()
+        if val is None and tb is None:
+            return driver.throw(typ)
+        return driver.throw(typ, val, tb)
+
+    def close(self) -> None:
+        """Closes the coroutine (a reserve already sent still runs to its
+        answer, and what it held is refunded)."""
+        if self._driver is not None:
+            self._driver.close()
+
     async def __aenter__(self) -> AsyncReservation:
-        self._reservation = await self._result()
-        return self._reservation
+        reservation = await self._result()
+        reservation._state.enter()
+        self._reservation = reservation
+        return reservation
 
     async def __aexit__(
         self,
@@ -355,9 +492,11 @@ class AsyncReservation:
     with``, an exception refunds, a settle that failed (or was cancelled in
     flight) is sent again, and a forgotten settle charges the estimate."""
 
-    def __init__(self, client: AsyncClient, info: ReservationInfo) -> None:
+    def __init__(
+        self, client: AsyncClient, info: ReservationInfo, *, replay_is_ours: bool = False
+    ) -> None:
         self._client = client
-        self._state = GuardState(info)
+        self._state = GuardState.of(info, replay_is_ours=replay_is_ours)
 
     @property
     def info(self) -> ReservationInfo:
@@ -383,6 +522,13 @@ class AsyncReservation:
     def replayed(self) -> bool:
         """True when the reserve was an idempotent repeat."""
         return self._state.info.replayed
+
+    @property
+    def owned(self) -> bool:
+        """False when the reserve replayed a reservation this call did not
+        make (another caller's, same idempotency key): the guard leaves it
+        to its owner (see :class:`allowance.Reservation`)."""
+        return self._state.owned
 
     @property
     def cut(self) -> Denied | None:
@@ -461,6 +607,7 @@ class AsyncReservation:
             yield chunk
 
     async def __aenter__(self) -> AsyncReservation:
+        self._state.enter()
         return self
 
     async def __aexit__(

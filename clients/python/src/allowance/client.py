@@ -20,7 +20,7 @@ from ._shared import (
     add_note,
     caller_exception,
 )
-from .errors import AllowanceError, ConnectionFailed, Denied
+from .errors import AllowanceError, ConnectionFailed, Denied, StoreUnavailable
 from .types import (
     Charge,
     LimitSpec,
@@ -96,6 +96,9 @@ class Client:
 
         The answer is a :class:`Reservation`; use it in a ``with`` block so
         a failure refunds and a forgotten settle still charges the estimate.
+        A replay (same ``idempotency_key``) of a hold another caller still
+        has raises :class:`~allowance.HeldElsewhere` when the block is
+        entered.
         """
         return Reservation(self, self._send(_api.reserve(tenant, amounts, options)))
 
@@ -121,7 +124,8 @@ class Client:
         sooner than the server said; a ``retry_after`` longer than
         the time left raises the denial at once. With an
         ``idempotency_key``, a 503 or a broken connection is retried too
-        (same key: it cannot hold twice). ``budget_exhausted`` and
+        (same key: it cannot hold twice), and the replay that answers
+        the retry is this call's own hold. ``budget_exhausted`` and
         ``exceeds_limit`` raise at once; the last denial raises when time
         is up.
         """
@@ -133,12 +137,18 @@ class Client:
             idempotent=options.get("idempotency_key") is not None,
             rng=rng or random.Random(),
         )
+        # An attempt whose outcome is unknown (a 503, a lost answer) may
+        # have held: a retry's replay of it is this call's hold.
+        unknown = False
         while True:
             attempt = ReserveOptions(**options)
             attempt["wait_ms"] = policy.wait_ms()
             try:
-                return self.reserve(tenant, amounts, **attempt)
+                info = self._send(_api.reserve(tenant, amounts, attempt))
+                return Reservation(self, info, replay_is_ours=unknown)
             except AllowanceError as e:
+                if isinstance(e, (StoreUnavailable, ConnectionFailed)):
+                    unknown = True
                 if policy.adapt(e):
                     continue
                 delay = policy.delay_s(e)
@@ -260,12 +270,17 @@ class Reservation:
 
     A replayed reserve (same ``idempotency_key``) of a reservation that
     already ended is left alone: check :attr:`replayed` and :attr:`status`
-    to skip work that was already done.
+    to skip work that was already done. One of a reservation another caller
+    still holds is not this guard's (:attr:`owned` is false): entering the
+    ``with`` block raises :class:`~allowance.HeldElsewhere` before it runs,
+    and the guard never settles or refunds it.
     """
 
-    def __init__(self, client: Client, info: ReservationInfo) -> None:
+    def __init__(
+        self, client: Client, info: ReservationInfo, *, replay_is_ours: bool = False
+    ) -> None:
         self._client = client
-        self._state = GuardState(info)
+        self._state = GuardState.of(info, replay_is_ours=replay_is_ours)
 
     @property
     def info(self) -> ReservationInfo:
@@ -291,6 +306,13 @@ class Reservation:
     def replayed(self) -> bool:
         """True when the reserve was an idempotent repeat."""
         return self._state.info.replayed
+
+    @property
+    def owned(self) -> bool:
+        """False when the reserve replayed a reservation this call did not
+        make (another caller's, same idempotency key): the guard leaves it
+        to its owner."""
+        return self._state.owned
 
     @property
     def cut(self) -> Denied | None:
@@ -371,6 +393,7 @@ class Reservation:
             yield chunk
 
     def __enter__(self) -> Reservation:
+        self._state.enter()
         return self
 
     def __exit__(

@@ -15,6 +15,7 @@ from datetime import datetime
 from typing import Any
 
 from ._time import parse_time
+from .types import ReservationInfo
 
 __all__ = [
     "AllowanceError",
@@ -25,6 +26,7 @@ __all__ = [
     "Denied",
     "ExceedsLimit",
     "Forbidden",
+    "HeldElsewhere",
     "InvalidRequest",
     "NotFound",
     "PayloadTooLarge",
@@ -46,6 +48,32 @@ class ConnectionFailed(AllowanceError):
     Like a 503, the outcome is unknown: retry a reserve with the same
     ``idempotency_key``, and a settle or refund as is (both are idempotent).
     """
+
+
+class HeldElsewhere(AllowanceError):
+    """The reserve was a replay (same ``idempotency_key``) of a reservation
+    another caller holds and has not ended: its work is in progress
+    elsewhere (a redelivered task, a second worker).
+
+    Raised when such a reservation is entered as a guard (``with`` /
+    ``async with``), before the block runs, so the duplicate call is not
+    made; the guard never settles or refunds a hold it does not own (its
+    owner's settle would then find it refunded, and its call go free).
+    ``info`` is the reservation as the replay answered it. A hold that is
+    the caller's own (an earlier attempt with the same key had an unknown
+    outcome) is recognised by ``reserve_or_wait``; after a retry of your
+    own, settle or refund it by id (``client.settle(e.info.id, …)``).
+    """
+
+    def __init__(self, info: ReservationInfo) -> None:
+        self.info = info
+        super().__init__(
+            f"reservation {info.id} (idempotency key replayed) is held by another caller: "
+            "its work is in progress elsewhere"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.info,), self.__dict__)
 
 
 class ApiError(AllowanceError):

@@ -17,9 +17,9 @@ KEY_VERSION = "v1"
 old key and a new one never collide (a format change must not silently
 double-spend)."""
 
-MAX_KEY_BYTES = 200
-"""The server's bound on an idempotency key, in bytes of UTF-8 (a non-ASCII
-letter counts two or more)."""
+MAX_KEY_CHARS = 200
+"""The server's bound on an idempotency key, in characters (Unicode code
+points, as SEMANTICS.md counts them: ``é`` and ``🦀`` count one each)."""
 
 
 def canonical_json(inputs: Any) -> str:
@@ -42,7 +42,7 @@ def idempotency_key(run: str, task: str, provider: str, inputs: Any) -> str:
       provider is a different quota and must not collide with the primary.
 
     Raises ``ValueError`` naming the argument when a part is empty or holds
-    ``:``, or when the key would exceed the server's 200 bytes (UTF-8);
+    ``:``, or when the key would exceed the server's 200 characters;
     ``TypeError`` when ``inputs`` is not JSON-serialisable.
     """
     for name, part in (("run", run), ("task", task), ("provider", provider)):
@@ -52,10 +52,9 @@ def idempotency_key(run: str, task: str, provider: str, inputs: Any) -> str:
             raise ValueError(f"{name}: must not contain ':' (the key's separator), got {part!r}")
     digest = hashlib.sha256(canonical_json(inputs).encode("utf-8")).hexdigest()
     key = f"{KEY_VERSION}:{run}:{task}:{provider}:{digest}"
-    size = len(key.encode("utf-8"))
-    if size > MAX_KEY_BYTES:
+    if len(key) > MAX_KEY_CHARS:
         raise ValueError(
-            f"run/task/provider: the key would be {size} bytes of UTF-8, over the "
-            f"server's {MAX_KEY_BYTES}; shorten the ids"
+            f"run/task/provider: the key would be {len(key)} characters, over the "
+            f"server's {MAX_KEY_CHARS}; shorten the ids"
         )
     return key

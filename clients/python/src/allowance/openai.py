@@ -4,7 +4,10 @@ For users who do not run the allowance gateway: each
 ``chat.completions.create`` call reserves its estimate on an allowance
 server, calls OpenAI (or any compatible endpoint) directly, and settles the
 ``usage`` the answer reports. A failed call is refunded; a denial raises
-before anything is sent upstream.
+before anything is sent upstream. A reply the provider sent is always
+returned: a settle that fails with an unknown outcome is retried
+(:data:`SETTLE_RETRY_DELAYS_S`), then warned about
+(:class:`~allowance.SettleFailedWarning`), never raised in its place.
 
     from openai import OpenAI
     from allowance import Client
@@ -37,6 +40,7 @@ import asyncio
 import contextlib
 import json
 import math
+import time
 import warnings
 from collections.abc import (
     AsyncGenerator,
@@ -49,16 +53,16 @@ from collections.abc import (
     Sequence,
 )
 from types import TracebackType
-from typing import Any, cast
+from typing import Any, Literal, cast, overload
 
 import openai
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion_usage import CompletionUsage
 
-from ._shared import DEFAULT_TRANCHE_TOKENS
+from ._shared import DEFAULT_TRANCHE_TOKENS, SettleFailedWarning
 from .aio import AsyncClient, AsyncReservation, AsyncStreamMeter
 from .client import Client, Reservation, StreamMeter
-from .errors import Denied
+from .errors import AllowanceError, ConnectionFailed, Denied, StoreUnavailable
 from .types import ReserveOptions
 
 __all__ = [
@@ -88,6 +92,11 @@ IMAGE_TOKENS = 765
 
 DEFAULT_MAX_OUTPUT_TOKENS = 4096
 """Output held when a call names no bound."""
+
+SETTLE_RETRY_DELAYS_S: tuple[float, ...] = (0.2, 0.5, 1.0, 2.0)
+"""Pauses before each further settle of a reply that arrived, while the
+settle's outcome is unknown (a 503, a broken connection); after the last,
+the reply is returned with a :class:`~allowance.SettleFailedWarning`."""
 
 TokenCounter = Callable[[Sequence[Mapping[str, Any]], Sequence[Any] | None], int]
 """``(messages, tools) -> input tokens``: your own estimate."""
@@ -322,12 +331,66 @@ class BudgetedOpenAI:
             return BudgetedStream(
                 cast("openai.Stream[ChatCompletionChunk]", stream), reservation, plan, self._options
             )
-        with reservation:
-            reply = cast("ChatCompletion", self.openai.chat.completions.create(**plan.kwargs))
-            if reply.usage is not None:
-                reservation.settle(_usage_of(reply.usage))
-            # No usage reported: the guard settles at the estimate (and warns).
+        reply: ChatCompletion | None = None
+        try:
+            with reservation:
+                reply = cast("ChatCompletion", self.openai.chat.completions.create(**plan.kwargs))
+                if reply.usage is not None:
+                    reservation.settle(_usage_of(reply.usage))
+                # No usage reported: the guard settles at the estimate (and warns).
+        except AllowanceError as e:
+            if reply is None:
+                raise
+            # The call ran and was paid: its reply is never thrown away.
+            # The settle (sent again by the guard) failed; retry it a while.
+            error: AllowanceError | None = e
+            for delay in SETTLE_RETRY_DELAYS_S:
+                if not _worth_resending(reservation, error):
+                    break
+                time.sleep(delay)
+                try:
+                    _resend_settle(reservation)
+                    error = None
+                except AllowanceError as again:
+                    error = again
+            if error is not None:
+                _warn_settle_failed(reservation, error)
         return reply
+
+
+def _worth_resending(
+    reservation: Reservation | AsyncReservation, error: AllowanceError | None
+) -> bool:
+    """True when the settle of a paid reply failed with an unknown outcome
+    (a 503, a broken connection) and is worth sending again (settle is
+    idempotent); any other error is final."""
+    return isinstance(error, (StoreUnavailable, ConnectionFailed)) and (
+        reservation._state.settle_attempt is not None
+    )
+
+
+def _resend_settle(reservation: Reservation) -> None:
+    attempt = reservation._state.settle_attempt
+    assert attempt is not None
+    reservation.settle(attempt.usage, attempt.charges)
+
+
+async def _aresend_settle(reservation: AsyncReservation) -> None:
+    attempt = reservation._state.settle_attempt
+    assert attempt is not None
+    await reservation.settle(attempt.usage, attempt.charges)
+
+
+def _warn_settle_failed(reservation: Reservation | AsyncReservation, error: AllowanceError) -> None:
+    attempt = reservation._state.settle_attempt
+    usage = attempt.usage if attempt is not None else reservation.held
+    warnings.warn(
+        f"reservation {reservation.id}: the call ran, but its settle failed ({error!r}); "
+        f"the reply is returned, but the call is uncharged unless {usage} is recorded "
+        "(its hold expires by TTL, recording nothing)",
+        SettleFailedWarning,
+        stacklevel=4,
+    )
 
 
 class _Chat:
@@ -339,7 +402,16 @@ class _Completions:
     def __init__(self, owner: BudgetedOpenAI) -> None:
         self._owner = owner
 
-    def create(self, **kwargs: Any) -> Any:
+    @overload
+    def create(self, *, stream: Literal[True], **kwargs: Any) -> BudgetedStream: ...
+
+    @overload
+    def create(self, *, stream: Literal[False] | None = None, **kwargs: Any) -> ChatCompletion: ...
+
+    @overload
+    def create(self, *, stream: bool, **kwargs: Any) -> ChatCompletion | BudgetedStream: ...
+
+    def create(self, **kwargs: Any) -> ChatCompletion | BudgetedStream:
         """``openai.OpenAI().chat.completions.create``, reserved and settled:
         a ``ChatCompletion``, or a :class:`BudgetedStream` with ``stream=True``."""
         return self._owner._create(kwargs)
@@ -509,11 +581,29 @@ class AsyncBudgetedOpenAI:
                 plan,
                 self._options,
             )
-        async with reservation:
-            created = await self.openai.chat.completions.create(**plan.kwargs)
-            reply = cast("ChatCompletion", created)
-            if reply.usage is not None:
-                await reservation.settle(_usage_of(reply.usage))
+        reply: ChatCompletion | None = None
+        try:
+            async with reservation:
+                created = await self.openai.chat.completions.create(**plan.kwargs)
+                reply = cast("ChatCompletion", created)
+                if reply.usage is not None:
+                    await reservation.settle(_usage_of(reply.usage))
+        except AllowanceError as e:
+            if reply is None:
+                raise
+            # The call ran and was paid: its reply is never thrown away.
+            error: AllowanceError | None = e
+            for delay in SETTLE_RETRY_DELAYS_S:
+                if not _worth_resending(reservation, error):
+                    break
+                await asyncio.sleep(delay)
+                try:
+                    await _aresend_settle(reservation)
+                    error = None
+                except AllowanceError as again:
+                    error = again
+            if error is not None:
+                _warn_settle_failed(reservation, error)
         return reply
 
 
@@ -526,7 +616,20 @@ class _AsyncCompletions:
     def __init__(self, owner: AsyncBudgetedOpenAI) -> None:
         self._owner = owner
 
-    async def create(self, **kwargs: Any) -> Any:
+    @overload
+    async def create(self, *, stream: Literal[True], **kwargs: Any) -> AsyncBudgetedStream: ...
+
+    @overload
+    async def create(
+        self, *, stream: Literal[False] | None = None, **kwargs: Any
+    ) -> ChatCompletion: ...
+
+    @overload
+    async def create(
+        self, *, stream: bool, **kwargs: Any
+    ) -> ChatCompletion | AsyncBudgetedStream: ...
+
+    async def create(self, **kwargs: Any) -> ChatCompletion | AsyncBudgetedStream:
         """``openai.AsyncOpenAI().chat.completions.create``, reserved and
         settled: a ``ChatCompletion``, or an :class:`AsyncBudgetedStream`."""
         return await self._owner._create(kwargs)
