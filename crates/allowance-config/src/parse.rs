@@ -1038,7 +1038,21 @@ fn read_tokens(doc: &mut Doc, root: &Table) -> Vec<(TokenSpec, usize)> {
                 Err(Bad)
             }
             (Ok(R::Admin), None) => Ok(Role::Admin),
-            (Ok(R::Tenant), Some(ti)) => id(doc, ti).map(Role::Tenant),
+            (Ok(R::Tenant), Some(ti)) => match id(doc, ti) {
+                // Its reservations are the gateway's upstream attempts: a
+                // token for it could settle or refund them.
+                Ok(t) if t == GATEWAY_TENANT => {
+                    doc.error(
+                        ti.offset,
+                        &ti.path,
+                        format!(
+                            "{GATEWAY_TENANT:?} is the gateway's internal tenant (its upstream attempts)"
+                        ),
+                    );
+                    Err(Bad)
+                }
+                other => other.map(Role::Tenant),
+            },
             (Ok(R::Tenant), None) => {
                 let offset = role_item.as_ref().map_or(t.offset, |i| i.offset);
                 doc.error(

@@ -660,3 +660,13 @@ fn an_upstream_base_url_reqwest_would_refuse_is_refused_here() {
         "a base URL has no query or fragment (the client's path is appended)",
     );
 }
+
+#[test]
+fn a_token_for_the_gateway_s_internal_tenant_is_refused() {
+    check(
+        &format!("[[tokens]]\nsha256 = \"{HASH}\"\nrole = \"tenant\"\ntenant = \"~gateway\"\n"),
+        &[
+            "error: bad.toml:4: key `tokens[0].tenant`: \"~gateway\" is the gateway's internal tenant (its upstream attempts)",
+        ],
+    );
+}

@@ -334,25 +334,33 @@ pub async fn serve(
     result
 }
 
-/// Resolves on SIGTERM or SIGINT (Ctrl-C).
+/// Resolves on SIGTERM, SIGINT (Ctrl-C) or SIGHUP (there is no reload).
 pub async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };
     #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+    let unix = |kind: tokio::signal::unix::SignalKind| async move {
+        match tokio::signal::unix::signal(kind) {
             Ok(mut s) => {
                 s.recv().await;
             }
             Err(_) => std::future::pending::<()>().await,
         }
     };
+    #[cfg(unix)]
+    let (term, hangup) = (
+        unix(tokio::signal::unix::SignalKind::terminate()),
+        // There is no reload to do on a hang-up; its default action would
+        // drop the requests in flight, so it stops the server as SIGTERM does.
+        unix(tokio::signal::unix::SignalKind::hangup()),
+    );
     #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
+    let (term, hangup) = (std::future::pending::<()>(), std::future::pending::<()>());
     tokio::select! {
         _ = ctrl_c => {},
         _ = term => {},
+        _ = hangup => {},
     }
     tracing::info!("shutting down: finishing requests in flight");
 }

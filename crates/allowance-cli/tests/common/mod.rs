@@ -138,10 +138,15 @@ impl Server {
     }
 
     /// SIGTERM, then wait for the exit (bounded generously).
-    pub fn terminate(mut self) -> ExitStatus {
+    pub fn terminate(self) -> ExitStatus {
+        self.signal("TERM")
+    }
+
+    /// Sends `signal` (`TERM`, `HUP`…) and waits for the exit.
+    pub fn signal(mut self, signal: &str) -> ExitStatus {
         let mut child = self.child.take().expect("running");
         let _ = Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
+            .args([&format!("-{signal}"), &child.id().to_string()])
             .status();
         for _ in 0..600 {
             if let Ok(Some(status)) = child.try_wait() {
@@ -150,7 +155,7 @@ impl Server {
             std::thread::sleep(Duration::from_millis(50));
         }
         let _ = child.kill();
-        panic!("the server did not exit within 30 s of SIGTERM");
+        panic!("the server did not exit within 30 s of SIG{signal}");
     }
 
     pub fn log_text(&self) -> String {
