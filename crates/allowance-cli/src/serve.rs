@@ -254,7 +254,7 @@ async fn connect_redis(config: &Config, clock: Arc<SystemClock>) -> anyhow::Resu
                 .context("cannot start the redis store")?;
             if let Err(e) = later.connect_now().await {
                 tracing::error!(
-                    url = %redact(&url),
+                    url = %allowance_redis::redacted_url(&url),
                     error = %e,
                     "Redis cannot be reached: starting anyway (on_error = \"fail_open_local\"), admitting locally until the sweeper connects"
                 );
@@ -262,7 +262,7 @@ async fn connect_redis(config: &Config, clock: Arc<SystemClock>) -> anyhow::Resu
             later
         }
     };
-    tracing::info!(url = %redact(&url), prefix = store.prefix(), "store: redis");
+    tracing::info!(url = %allowance_redis::redacted_url(&url), prefix = store.prefix(), "store: redis");
     match config.store.on_error {
         OnError::FailClosed => {
             tracing::info!(
@@ -285,20 +285,6 @@ async fn connect_redis(config: &Config, clock: Arc<SystemClock>) -> anyhow::Resu
                 Arc::new(RandomIds),
             )))
         }
-    }
-}
-
-/// A URL with its password hidden, for logs.
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            let userinfo = &url[scheme + 3..at];
-            match userinfo.split_once(':') {
-                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
-                None => url.to_string(),
-            }
-        }
-        _ => url.to_string(),
     }
 }
 

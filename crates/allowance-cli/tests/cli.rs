@@ -460,3 +460,46 @@ fn an_unset_upstream_key_stops_serve_and_warns_check_config() {
         "{stderr}"
     );
 }
+
+/// A Redis store that cannot start says where it tried without the
+/// password in the URL (an audit found it printed in full, while every
+/// log line hid it).
+#[test]
+fn a_redis_store_that_cannot_start_hides_the_password() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr").port()
+    };
+    let dir = std::env::temp_dir().join(format!("allowance-cli-redact-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temp dir");
+    for url in [
+        format!("redis://:TopSecret-1@127.0.0.1:{port}/0"),
+        format!("redis://app:TopSecret-1@127.0.0.1:{port}/0"),
+    ] {
+        let file = dir.join("redis.toml");
+        std::fs::write(
+            &file,
+            format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\ntimeout_ms = 300\n"),
+        )
+        .expect("write the config");
+        let out = run_bounded(
+            &[
+                "serve",
+                "--config",
+                file.to_str().expect("utf-8"),
+                "--listen",
+                "127.0.0.1:0",
+            ],
+            Duration::from_secs(30),
+        );
+        assert_eq!(out.status.code(), Some(1), "{out:?}");
+        let stderr = text(&out.stderr);
+        assert!(stderr.contains("cannot reach Redis at"), "{stderr}");
+        assert!(stderr.contains(":***@127.0.0.1"), "{stderr}");
+        assert!(
+            !stderr.contains("TopSecret"),
+            "the password leaked: {stderr}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -168,6 +168,30 @@ impl RedisOptions {
     }
 }
 
+/// `url` with its password hidden (`redis://user:***@host`), for messages
+/// and logs: a store's errors never carry the secret.
+///
+/// ```
+/// use allowance_redis::redacted_url;
+/// assert_eq!(redacted_url("redis://:s3cret@r:6379/0"), "redis://:***@r:6379/0");
+/// assert_eq!(redacted_url("redis+sentinel://app:pw@s1:26379/m"), "redis+sentinel://app:***@s1:26379/m");
+/// assert_eq!(redacted_url("redis://r:6379"), "redis://r:6379");
+/// ```
+pub fn redacted_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let userinfo = &url[scheme + 3..at];
+            match userinfo.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
+                // A lone name may be a password (redis-rs reads it as a
+                // user, but people write `redis://secret@host`).
+                None => format!("{}***{}", &url[..scheme + 3], &url[at..]),
+            }
+        }
+        _ => url.to_string(),
+    }
+}
+
 /// Why a store could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
@@ -425,7 +449,7 @@ impl RedisStore {
             .catch_up()
             .await
             .map_err(|e| ConnectError::Unreachable {
-                url: store.url.clone(),
+                url: redacted_url(&store.url),
                 why: e.0,
             })?;
         Ok(store)
@@ -538,7 +562,7 @@ impl RedisStore {
     async fn dial(&self) -> Result<Conn, ConnectError> {
         let timeout = self.timeout;
         let unreachable = |why: String| ConnectError::Unreachable {
-            url: self.url.clone(),
+            url: redacted_url(&self.url),
             why,
         };
         let no_answer = || unreachable(format!("no answer within {} ms", timeout.as_millis()));
