@@ -942,3 +942,60 @@ async fn a_plan_set_through_the_api_returns_to_the_files_on_delete() {
         missing.json
     );
 }
+
+/// A reserve refused because the admission queue is full is a denial on
+/// the dashboards like any other (it was counted only as
+/// `allowance_queue_full_total`, found by an audit).
+#[tokio::test]
+async fn a_full_queue_s_denial_is_counted_with_the_denials() {
+    let s = Server::with_config(
+        "[queue]\nmax_waiters_per_tenant = 1\n[kinds.tenant]\nplan = \"one\"\n[plans.one]\nlimits = [{ dimension = \"concurrent\", capacity = 1 }]\n",
+    );
+    // A hold that expires within the waits, so they queue (a wait that
+    // cannot end in room is refused at once).
+    let body = json!({"tenant": "q", "amounts": {}, "ttl_ms": 4000});
+    s.post("/v1/reservations", None, &body).await.expect(201);
+    let waiting = json!({"tenant": "q", "amounts": {}, "wait_ms": 5000});
+    let waiter = {
+        let (base, waiting) = (s.base.clone(), waiting.clone());
+        tokio::spawn(async move {
+            reqwest::Client::new()
+                .post(format!("{base}/v1/reservations"))
+                .json(&waiting)
+                .send()
+                .await
+        })
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let m = s.get("/metrics", None).await.expect(200);
+        if m.json
+            .as_str()
+            .unwrap_or_default()
+            .contains("allowance_queue_depth 1")
+        {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the waiter never queued"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let r = s.post("/v1/reservations", None, &waiting).await;
+    assert_eq!(r.status, 429, "{:?}", r.json);
+    assert_eq!(r.json["error"]["queue_full"], json!(true), "{:?}", r.json);
+    let m = s.get("/metrics", None).await.expect(200);
+    let text = m.json.as_str().unwrap();
+    let denials: u64 = text
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(
+                "allowance_denials_total{scope_kind=\"tenant\",dimension=\"concurrent\",type=\"rate_limited\"} ",
+            )
+        })
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0);
+    assert!(denials >= 1, "{text}");
+    waiter.abort();
+}

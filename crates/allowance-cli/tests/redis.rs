@@ -188,6 +188,31 @@ async fn redis_down_answers_503_then_recovers() {
             t.elapsed()
         );
     }
+    // The outage shows in the metrics without client traffic too: the
+    // sweeper's and /readyz's failed calls count as store errors.
+    a.get("/readyz", None).await.expect(503);
+    let counted = |text: &str, op: &str| -> u64 {
+        let prefix = format!("allowance_store_errors_total{{op=\"{op}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let m = a.get("/metrics", None).await.expect(200);
+        let text = m.json.as_str().unwrap_or_default().to_string();
+        if counted(&text, "expire") >= 1 {
+            assert_eq!(counted(&text, "reserve"), 3, "{text}");
+            assert_eq!(counted(&text, "ready"), 1, "{text}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no sweep failure counted:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     redis.restart();
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {

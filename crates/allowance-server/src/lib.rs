@@ -288,6 +288,9 @@ where
     }
 }
 
+/// How many failed sweeps in a row make one log line.
+const SWEEP_FAILURE_LOG_EVERY: u64 = 40;
+
 /// Expires abandoned holds every `interval` (expiry is also observed
 /// lazily by every operation; this keeps idle scopes' holds from lingering
 /// and the metrics true).
@@ -297,19 +300,36 @@ pub fn spawn_sweeper(state: &AppState) -> tokio::task::JoinHandle<()> {
         let mut tick = tokio::time::interval(state.options().sweep_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_expired = 0;
+        // Failures in a row: logged at the first and then every
+        // `SWEEP_FAILURE_LOG_EVERY` (four lines a second for a whole outage
+        // drowned the log), and once more when the store answers again.
+        let mut failing: u64 = 0;
         loop {
             tick.tick().await;
-            match state.call(state.store().expire_due()).await {
+            let why = match state.call(state.store().expire_due()).await {
                 Ok(Ok(expired)) => {
+                    if failing > 0 {
+                        tracing::info!(
+                            failed_sweeps = failing,
+                            "expiry sweep: the store answers again"
+                        );
+                        failing = 0;
+                    }
                     if expired != last_expired {
                         // Expiries free room: the queue looks again.
                         last_expired = expired;
                         state.queue().kick();
                     }
+                    continue;
                 }
-                Ok(Err(e)) => tracing::warn!(error = %e, "expiry sweep failed"),
-                Err(_) => tracing::warn!("expiry sweep: the store did not answer in time"),
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => "the store did not answer in time".to_string(),
+            };
+            metrics::store_error("expire");
+            if failing % SWEEP_FAILURE_LOG_EVERY == 0 {
+                tracing::warn!(error = %why, failed_sweeps = failing + 1, "expiry sweep failed");
             }
+            failing += 1;
         }
     })
 }

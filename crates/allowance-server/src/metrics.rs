@@ -21,7 +21,8 @@ pub const DURATION: &str = "allowance_operation_duration_seconds";
 pub const HELD: &str = "allowance_held_reservations";
 /// Reservations expired since start.
 pub const EXPIRED: &str = "allowance_expired_reservations_total";
-/// Store calls that did not answer (`op`).
+/// Store calls that did not answer (`op`: an operation's name, or
+/// `expire`, `ready`, `stats`, `gateway` — see [`store_error`]).
 pub const STORE_ERRORS: &str = "allowance_store_errors_total";
 /// Reserves answered from an idempotency key.
 pub const REPLAYS: &str = "allowance_idempotent_replays_total";
@@ -164,6 +165,14 @@ pub fn denial(d: &Denial) {
         "type" => d.kind.as_str()
     )
     .increment(1);
+}
+
+/// Counts a store call that did not answer outside an operation's handler
+/// (`op`: `expire` for the sweeper, `ready` for `/readyz`, `stats` for a
+/// scrape's read, `gateway`), so an outage with no client traffic still
+/// shows.
+pub fn store_error(op: &'static str) {
+    metrics::counter!(STORE_ERRORS, "op" => op).increment(1);
 }
 
 /// Publishes the store's counters (read at scrape time).

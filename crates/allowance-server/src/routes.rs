@@ -451,7 +451,11 @@ pub(crate) async fn readyz(State(state): State<AppState>) -> Response {
             // A read that reaches the store itself (a Redis store answers
             // its catalog from memory, so that would say nothing).
             let probe = ScopeKey::tenant("~readyz").map_err(ApiError::from)?;
-            state.call(state.store().status(&probe)).await??;
+            let answer = state.call(state.store().status(&probe)).await;
+            if !matches!(answer, Ok(Ok(_))) {
+                metrics::store_error("ready");
+            }
+            answer??;
             Ok::<_, ApiError>("ready\n")
         }
         .await,
@@ -461,8 +465,9 @@ pub(crate) async fn readyz(State(state): State<AppState>) -> Response {
 /// Prometheus text format.
 #[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text exposition", content_type = "text/plain")))]
 pub(crate) async fn metrics_text(State(state): State<AppState>) -> Response {
-    if let Ok(Ok(s)) = state.call(state.store().stats()).await {
-        metrics::store_stats(s);
+    match state.call(state.store().stats()).await {
+        Ok(Ok(s)) => metrics::store_stats(s),
+        _ => metrics::store_error("stats"),
     }
     (
         [(
@@ -600,6 +605,9 @@ async fn wait_for_room(
         Ok(t) => t,
         Err(crate::queue::NotQueued::Full(d)) => {
             ::metrics::counter!("allowance_queue_full_total").increment(1);
+            // A denial like any other on the dashboards (its handler counts
+            // the denials the store gives, and this one is the queue's).
+            metrics::denial(&d);
             return Err(ApiError::denied(&d, state.now(), catalog).queue_full());
         }
         Err(crate::queue::NotQueued::Duplicate) => return Err(duplicate_of_a_waiter()),
