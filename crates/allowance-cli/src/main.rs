@@ -75,7 +75,24 @@ enum Command {
     Token,
 }
 
+/// Whether logs are JSON lines (`--log-format json`): then a command's
+/// fatal error is one too, not a line of text among them.
+static JSON_LOGS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+/// Prints a fatal error (`error: …` lines): as text on stderr, or as one
+/// JSON log event a line under `--log-format json`.
+pub(crate) fn fatal(text: &str) {
+    if JSON_LOGS.get() == Some(&true) {
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            tracing::error!("{}", line.strip_prefix("error: ").unwrap_or(line));
+        }
+    } else {
+        err(text);
+    }
+}
+
 fn init_logs(format: LogFormat) {
+    let _ = JSON_LOGS.set(matches!(format, LogFormat::Json));
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()

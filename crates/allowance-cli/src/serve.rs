@@ -119,7 +119,7 @@ pub fn run(args: ServeArgs) -> ExitCode {
     let config = match configure(&args) {
         Ok(c) => c,
         Err(message) => {
-            crate::err(&message);
+            crate::fatal(&message);
             return ExitCode::from(2);
         }
     };
@@ -127,14 +127,14 @@ pub fn run(args: ServeArgs) -> ExitCode {
     let runtime = match crate::server_runtime() {
         Ok(r) => r,
         Err(e) => {
-            crate::err(&format!("error: cannot start the runtime: {e}\n"));
+            crate::fatal(&format!("error: cannot start the runtime: {e}\n"));
             return ExitCode::FAILURE;
         }
     };
     match runtime.block_on(serve(config)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            crate::err(&format!("error: {e:#}\n"));
+            crate::fatal(&format!("error: {e:#}\n"));
             ExitCode::FAILURE
         }
     }

@@ -503,3 +503,34 @@ fn a_redis_store_that_cannot_start_hides_the_password() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Under `--log-format json` a fatal start-up error is JSON log lines too
+/// (it was text among the JSON, found by an audit), with the same words.
+#[test]
+fn a_fatal_error_is_json_under_json_logs() {
+    let out = run_bounded(
+        &[
+            "--log-format",
+            "json",
+            "serve",
+            "--listen",
+            "0.0.0.0:0",
+            "--data-dir",
+            "",
+        ],
+        Duration::from_secs(30),
+    );
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let stderr = text(&out.stderr);
+    let lines: Vec<serde_json::Value> = stderr
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    assert!(
+        lines.iter().any(|l| l["level"] == "ERROR"
+            && l["fields"]["message"].as_str().is_some_and(
+                |m| m.starts_with("refusing to listen on 0.0.0.0:0 with no credentials")
+            )),
+        "{stderr}"
+    );
+}
