@@ -326,7 +326,7 @@ pub fn spawn_sweeper(state: &AppState) -> tokio::task::JoinHandle<()> {
                 Err(_) => "the store did not answer in time".to_string(),
             };
             metrics::store_error("expire");
-            if failing % SWEEP_FAILURE_LOG_EVERY == 0 {
+            if failing.is_multiple_of(SWEEP_FAILURE_LOG_EVERY) {
                 tracing::warn!(error = %why, failed_sweeps = failing + 1, "expiry sweep failed");
             }
             failing += 1;
