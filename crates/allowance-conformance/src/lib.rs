@@ -157,6 +157,12 @@ macro_rules! every_case {
             budget_exhausted,
             exceeds_limit,
             denial_precedence,
+            retry_waits_for_a_hold_of_the_refused_dimension,
+            retry_waits_for_usage_behind_holds,
+            budget_exhausted_when_usage_alone_blocks,
+            rate_limited_when_holds_alone_block_a_total,
+            extend_does_not_wait_for_its_own_hold,
+            hold_walk_is_bounded,
             settle_is_idempotent,
             refund_is_idempotent,
             refund_after_settle_conflicts,
@@ -215,6 +221,18 @@ pub fn cases() -> Vec<Case> {
         case!(denials::budget_exhausted, standard),
         case!(denials::exceeds_limit, standard),
         case!(denials::denial_precedence, standard),
+        case!(
+            denials::retry_waits_for_a_hold_of_the_refused_dimension,
+            standard
+        ),
+        case!(denials::retry_waits_for_usage_behind_holds, standard),
+        case!(denials::budget_exhausted_when_usage_alone_blocks, standard),
+        case!(
+            denials::rate_limited_when_holds_alone_block_a_total,
+            standard
+        ),
+        case!(denials::extend_does_not_wait_for_its_own_hold, standard),
+        case!(denials::hold_walk_is_bounded, standard),
         case!(lifecycle::settle_is_idempotent, standard),
         case!(lifecycle::refund_is_idempotent, standard),
         case!(lifecycle::refund_after_settle_conflicts, standard),

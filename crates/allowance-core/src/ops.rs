@@ -126,18 +126,37 @@ fn sat_i64(v: i128) -> i64 {
 /// (its windows advanced to `now`; the fast path found some limit that does
 /// not fit), keeping the binding denial in `best`. With `only_positive`,
 /// limits asked for nothing are skipped (an extend raising one dimension is
-/// not refused by another). `own` is what the reservation being extended
-/// holds already: a raise that with it would pass a limit's whole capacity
-/// can never fit, whatever the others do (`exceeds_limit`, its `requested`
-/// the reservation's whole hold), rather than a retry at its own expiry.
+/// not refused by another). `own` is the reservation being extended and
+/// what it holds already: a raise that with it would pass a limit's whole
+/// capacity can never fit, whatever the others do (`exceeds_limit`, its
+/// `requested` the reservation's whole hold), rather than a retry at its
+/// own expiry; and its own hold, which cannot end while it is extended,
+/// counts as usage below. `holds` is the shard's hold table.
+///
+/// The rule (docs/ENGINE-CHOICES.md, "Denials"), per refused limit, with
+/// `free = capacity − own − requested` (what usage may be for the request
+/// to fit once every other hold is gone):
+///
+/// - usage above `free` that never leaves by itself (a `total`):
+///   `budget_exhausted`, a hard stop;
+/// - the request fits beside the current holds once usage leaves
+///   (`requested ≤ capacity − held`, a window that empties): `rate_limited`
+///   when usage has fallen to `capacity − held − requested`;
+/// - otherwise holds block: `rate_limited` at the expiry of the earliest
+///   other hold that holds the limit's dimension
+///   ([`ScopeState::earliest_holding`]), and no earlier than usage falls to
+///   `free`.
+///
+/// A hold-based retry gives the denial a `resets_at` (that hold's expiry)
+/// where the window has none of its own.
 #[cold]
 #[inline(never)]
 fn check_scope(
-    st: &mut ScopeState,
+    (st, holds): (&mut ScopeState, &[Option<Hold>]),
     scope: usize,
     now: u64,
     requested: &impl Fn(Dimension) -> u64,
-    (only_positive, own): (bool, Option<&Amounts>),
+    (only_positive, own): (bool, Option<(ReservationId, &Amounts)>),
     best: &mut Option<Candidate>,
 ) {
     for li in 0..st.plan.limits().len() {
@@ -150,40 +169,54 @@ fn check_scope(
             continue;
         }
         let held = st.held(dim);
-        let own_held = own.map_or(0, |o| o.get(dim));
+        let own_held = own.map_or(0, |(_, o)| o.get(dim));
         if st.state(li).fits(req, held) {
             continue;
         }
         // Refused: everything below is the denial's detail, off the hot path.
-        let kind = st.plan.limits()[li].window().kind();
-        let earliest = st.earliest_expiry();
         let mut s = st.state(li);
         let used = s.used();
         let room = i128::from(cap) - i128::from(used) - i128::from(held);
         if i128::from(req) <= room {
             continue;
         }
+        let window_resets = s.resets_at(now);
+        // What usage may be once every other hold is gone, and how long it
+        // takes to get there (`None`: never by itself).
+        let free = cap.saturating_sub(own_held).saturating_sub(req);
+        let until_free = if req > cap || req.saturating_add(own_held) > cap {
+            None
+        } else if i128::from(used) <= i128::from(free) {
+            Some(0)
+        } else {
+            s.ms_until_used_at_most(now, free)
+        };
+        // Beside the current holds, once usage leaves (`None`: not so).
+        let beside_holds = if held <= cap && req <= cap - held {
+            s.ms_until_used_at_most(now, cap - held - req)
+        } else {
+            None
+        };
+        let mut hold_due = None;
         let (kind_of, retry) = if req > cap {
             (DenialKind::ExceedsLimit, None)
         } else if req.saturating_add(own_held) > cap {
             req = req.saturating_add(own_held);
             (DenialKind::ExceedsLimit, None)
-        } else if held <= cap && req <= cap - held {
-            // Would fit were the holds gone: usage must leave the window.
-            let target = cap - held - req;
-            match s.ms_until_used_at_most(now, target) {
+        } else if let Some(until_free) = until_free {
+            match beside_holds {
                 Some(ms) => (DenialKind::RateLimited, Some(ms.max(1))),
-                None => (DenialKind::BudgetExhausted, None),
+                None => {
+                    // Holds block: the earliest to end that holds some of
+                    // this dimension, and not before usage leaves room.
+                    hold_due = st.earliest_holding(holds, dim, own.map(|(id, _)| id));
+                    let ms = hold_due.map_or(1, |e| e.saturating_sub(now));
+                    (DenialKind::RateLimited, Some(ms.max(until_free).max(1)))
+                }
             }
         } else {
-            // Holds alone block: the earliest of the scope's holds to expire.
-            let ms = earliest.map_or(1, |e| e.saturating_sub(now));
-            (DenialKind::RateLimited, Some(ms.max(1)))
-        };
-        let resets_at = if kind == WindowKind::Concurrent {
-            earliest
-        } else {
-            s.resets_at(now)
+            // Usage alone blocks, and never leaves by itself.
+            (DenialKind::BudgetExhausted, None)
         };
         let c = Candidate {
             kind: kind_of,
@@ -193,7 +226,7 @@ fn check_scope(
             capacity: cap,
             remaining: sat_i64(room),
             requested: req,
-            resets_at,
+            resets_at: window_resets.or(hold_due),
         };
         if best.as_ref().is_none_or(|b| c.beats(b)) {
             *best = Some(c);
@@ -449,7 +482,7 @@ impl<'a> Locked<'a> {
         scopes: &ScopeSet,
         now: u64,
         requested: &impl Fn(Dimension) -> u64,
-        (only_positive, own): (bool, Option<&Amounts>),
+        (only_positive, own): (bool, Option<(ReservationId, &Amounts)>),
         slots: &mut [u32; MAX_SCOPES_LIMIT],
         moved: &mut Moved,
     ) -> Option<Box<Denial>> {
@@ -465,7 +498,7 @@ impl<'a> Locked<'a> {
             }
             if !fits {
                 check_scope(
-                    part.scope_at(slot),
+                    part.scope_and_holds(slot),
                     i,
                     now,
                     requested,
@@ -824,7 +857,7 @@ impl<'a> Locked<'a> {
                 &scopes,
                 now,
                 &requested,
-                (true, Some(&own)),
+                (true, Some((id, &own))),
                 &mut slots,
                 &mut moved,
             ) {

@@ -479,6 +479,59 @@ impl ScopeState {
             .map(|e| e.due_ms)
     }
 
+    /// When the earliest hold on this scope that holds some of `dim`
+    /// expires (every hold holds the implied dimensions, `requests` and
+    /// `concurrent`), the hold of reservation `skip` aside (an extend's
+    /// own: it never frees room for its own raise). `holds` is the shard's
+    /// hold table.
+    ///
+    /// Only a denial asks (never a grant), and the walk is bounded: the
+    /// holds are visited in expiry order, best first down the holder heap,
+    /// at most [`HOLD_WALK`] of them (`skip`'s counted); when none of those
+    /// holds `dim`, the answer is the expiry of the last one visited — no
+    /// later than the true one, and the same whatever order holds expiring
+    /// at the same instant are visited in, so the Redis store, which walks
+    /// its own order, answers alike. `None` when the scope holds nothing.
+    #[cold]
+    pub(crate) fn earliest_holding(
+        &self,
+        holds: &[Option<Hold>],
+        dim: Dimension,
+        skip: Option<ReservationId>,
+    ) -> Option<u64> {
+        let entries = self.extra.as_ref()?.holders.entries();
+        // The frontier of the walk: heap positions by their entries' keys
+        // (expiry, hold slot, tag), smallest first.
+        type Frontier = BinaryHeap<Reverse<((u64, u32, u8), u32)>>;
+        let mut frontier = Frontier::new();
+        let key = |i: usize| {
+            let e = entries[i];
+            Reverse(((e.due_ms, e.slot, e.tag), i as u32))
+        };
+        if !entries.is_empty() {
+            frontier.push(key(0));
+        }
+        let mut last = None;
+        for _ in 0..HOLD_WALK {
+            let Some(Reverse(((due, slot, _), i))) = frontier.pop() else {
+                break;
+            };
+            last = Some(due);
+            if let Some(Some(h)) = holds.get(slot as usize)
+                && Some(h.owner) != skip
+                && (dim.is_implied() || h.amounts.get(dim) > 0)
+            {
+                return Some(due);
+            }
+            for c in [2 * i as usize + 1, 2 * i as usize + 2] {
+                if c < entries.len() {
+                    frontier.push(key(c));
+                }
+            }
+        }
+        last
+    }
+
     /// Records usage of `amount` on limit `i` at `now_ms`.
     pub(crate) fn record(&mut self, i: usize, now_ms: u64, amount: u64) {
         let s = self.state(i);
@@ -707,6 +760,11 @@ impl Shard {
 /// past the moment its windows empty.
 pub(crate) const IDLE_SCOPE_GRACE_MS: u64 = 5_000;
 
+/// Most holds a denial looks at to find the earliest one that holds the
+/// refused limit's dimension ([`ScopeState::earliest_holding`]); the
+/// Redis store's `ledger.lua` walks as many (`HOLD_WALK`).
+pub(crate) const HOLD_WALK: usize = 64;
+
 /// How many idle scopes one operation may drop on its way (bounded so an
 /// operation's latency never depends on how many scopes went idle).
 pub(crate) const GC_PER_OPERATION: usize = 4;
@@ -930,6 +988,14 @@ impl ShardState {
     #[inline]
     pub(crate) fn scope_at(&mut self, slot: u32) -> &mut ScopeState {
         live(&mut self.scopes, slot)
+    }
+
+    /// The state in a slot, and the shard's holds (what a denial reads to
+    /// find which holds stand in its way).
+    #[inline]
+    pub(crate) fn scope_and_holds(&mut self, slot: u32) -> (&mut ScopeState, &[Option<Hold>]) {
+        let ShardState { scopes, holds, .. } = self;
+        (live(scopes, slot), holds)
     }
 
     /// [`ShardState::scope_slot`], then the state.

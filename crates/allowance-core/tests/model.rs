@@ -54,6 +54,9 @@ const MAX_TTL_MS: u64 = 120_000;
 const IDEMPOTENCY_RETENTION_MS: u64 = 1_800_000;
 const ENDED_RETENTION_MS: u64 = 7_200_000;
 const SHARDS: usize = 4;
+/// Most holds a denial looks at for the earliest one holding the refused
+/// dimension (the engine's and the Redis store's bound).
+const HOLD_WALK: usize = 64;
 const MAX: u64 = MAX_AMOUNT;
 const SEARCH: &str = "search_calls";
 const PRICED: &str = "gpt-priced";
@@ -603,6 +606,35 @@ impl Model {
         self.live(s).map(|r| r.res.expires_at.as_millis()).min()
     }
 
+    /// The expiry of the earliest live hold on `s` that holds some of
+    /// `dim` (every hold holds the implied dimensions), `skip`'s aside;
+    /// looking at no more than the [`HOLD_WALK`] earliest holds (`skip`'s
+    /// counted), and answering the last of those when none of them does.
+    fn earliest_holding(
+        &self,
+        s: usize,
+        dim: Dimension,
+        skip: Option<ReservationId>,
+    ) -> Option<u64> {
+        let mut holds: Vec<(u64, bool)> = self
+            .live(s)
+            .map(|r| {
+                let holds_dim = dim.is_implied() || r.res.held.get(dim) > 0;
+                (
+                    r.res.expires_at.as_millis(),
+                    holds_dim && Some(r.res.id) != skip,
+                )
+            })
+            .collect();
+        holds.sort_unstable();
+        holds.truncate(HOLD_WALK);
+        let found = holds.iter().find(|h| h.1).map(|h| h.0);
+        if found.is_some() && found != self.earliest_expiry(s) {
+            tally("denial: a hold-based retry passed holds that hold none of the dimension");
+        }
+        found.or(holds.last().map(|h| h.0))
+    }
+
     fn counted<'a>(&'a self, s: usize, l: &'a MLimit) -> impl Iterator<Item = &'a Event> + 'a {
         self.events[s]
             .iter()
@@ -787,7 +819,7 @@ impl Model {
         scopes: &[usize],
         requested: &dyn Fn(Dimension) -> u64,
         only_positive: bool,
-        own: Option<&Amounts>,
+        own: Option<(ReservationId, &Amounts)>,
     ) -> Option<Denial> {
         let rank = |k: DenialKind| match k {
             DenialKind::ExceedsLimit => 2,
@@ -802,29 +834,56 @@ impl Model {
                     continue;
                 }
                 // An extend: what the reservation holds already counts
-                // towards the whole capacity it can never pass.
-                let own = own.map_or(0, |o| o.get(l.dim));
+                // towards the whole capacity it can never pass, and stays
+                // while it is extended (as usage would).
+                let own_held = own.map_or(0, |(_, o)| o.get(l.dim));
                 let used = self.used(s, l);
                 let held = self.held(s, l.dim);
                 let room = i128::from(l.cap) - used - i128::from(held);
                 if i128::from(req) <= room {
                     continue;
                 }
+                let mut hold_due = None;
                 let (kind, retry) = if req > l.cap {
                     (DenialKind::ExceedsLimit, None)
-                } else if u128::from(req) + u128::from(own) > u128::from(l.cap) {
-                    req += own;
+                } else if u128::from(req) + u128::from(own_held) > u128::from(l.cap) {
+                    req += own_held;
                     (DenialKind::ExceedsLimit, None)
-                } else if u128::from(req) + u128::from(held) <= u128::from(l.cap) {
-                    // It would fit were the holds gone: usage must leave.
-                    match self.ms_until_used_at_most(s, l, l.cap - held - req) {
-                        Some(ms) => (DenialKind::RateLimited, Some(ms.max(1))),
-                        None => (DenialKind::BudgetExhausted, None),
-                    }
                 } else {
-                    // Holds alone block: the earliest of them to expire.
-                    let e = self.earliest_expiry(s).map_or(1, |e| e - self.now);
-                    (DenialKind::RateLimited, Some(e.max(1)))
+                    // What usage may be for the request to fit with every
+                    // other hold gone, and when it gets there by itself.
+                    let free = l.cap - own_held - req;
+                    let until_free = if used <= i128::from(free) {
+                        Some(0)
+                    } else {
+                        self.ms_until_used_at_most(s, l, free)
+                    };
+                    // Beside the current holds, once usage leaves.
+                    let beside = if u128::from(req) + u128::from(held) <= u128::from(l.cap) {
+                        self.ms_until_used_at_most(s, l, l.cap - held - req)
+                    } else {
+                        None
+                    };
+                    match (until_free, beside) {
+                        (None, _) => (DenialKind::BudgetExhausted, None),
+                        (Some(_), Some(ms)) => (DenialKind::RateLimited, Some(ms.max(1))),
+                        (Some(until_free), None) => {
+                            // Holds block: the earliest other one holding
+                            // the dimension, not before usage leaves room.
+                            hold_due = self.earliest_holding(s, l.dim, own.map(|(id, _)| id));
+                            let ms = hold_due.map_or(1, |e| e - self.now);
+                            if until_free > ms {
+                                tally("denial: a hold-based retry waits for usage to leave");
+                            }
+                            if matches!(l.window, Window::Total) {
+                                tally("denial: a total blocked by holds is rate limited");
+                            }
+                            if own.is_some() && hold_due != self.earliest_expiry(s) {
+                                tally("denial: an extend's retry passed its own hold");
+                            }
+                            (DenialKind::RateLimited, Some(ms.max(until_free).max(1)))
+                        }
+                    }
                 };
                 let d = Denial {
                     kind,
@@ -835,7 +894,7 @@ impl Model {
                     remaining: sat_i64(room),
                     requested: req,
                     retry_after_ms: retry,
-                    resets_at: self.resets_at(s, l).map(ts),
+                    resets_at: self.resets_at(s, l).or(hold_due).map(ts),
                 };
                 // exceeds_limit over budget_exhausted over rate_limited; among
                 // rate_limited the latest retry; ties keep the earlier one.
@@ -1179,7 +1238,7 @@ impl Model {
                 &rec.scopes,
                 &requested,
                 true,
-                Some(&rec.res.held),
+                Some((id, &rec.res.held)),
             ) {
                 return Err(ExtendError::Denied(Box::new(d)));
             }
@@ -2474,5 +2533,132 @@ fn a_bucket_refills_at_its_old_capacity_until_the_next_write() {
         ops.push(settle_last_op());
     }
     ops.push(Op::Advance(Step::Ms(6000)));
+    run(0, &ops).unwrap_or_else(|e| panic!("{e}"));
+}
+
+// ------------------------------------- the retry audit's cases, as histories
+
+/// A reserve on tenant 0 alone of `input` tokens and `cost` micros, for
+/// `ttl` (tenant 0 is on `own-tenant`: tokens 5,000 per sliding minute,
+/// cost_micros 200,000 total, requests 10 per 10 s bucket, concurrent 4).
+fn reserve_for(input: u64, cost: Option<u64>, ttl: Ttl) -> Op {
+    let Op::Reserve(mut spec) = reserve_op(false, input) else {
+        unreachable!("a reserve")
+    };
+    spec.amounts.cost = cost.map(Amt::Small);
+    spec.ttl = ttl;
+    Op::Reserve(spec)
+}
+
+/// An `Index` that picks the first element of any collection.
+fn first_index() -> Index {
+    use proptest::strategy::ValueTree;
+    let mut runner = TestRunner::deterministic();
+    loop {
+        let i = any::<Index>()
+            .new_tree(&mut runner)
+            .expect("an index")
+            .current();
+        if i.index(1000) == 0 {
+            return i;
+        }
+    }
+}
+
+/// D1: the earliest hold holds no cost_micros; the total's retry waits for
+/// the one that does, before and after the first has ended.
+#[test]
+fn retry_waits_for_a_hold_of_the_refused_dimension() {
+    let ops = [
+        reserve_for(0, Some(120_000), Ttl::Long(60_000)),
+        reserve_for(10, None, Ttl::Short(1_000)),
+        Op::Advance(Step::Small(10)),
+        reserve_for(0, Some(100_000), Ttl::Default),
+        Op::Advance(Step::Ms(1_000)),
+        reserve_for(0, Some(100_000), Ttl::Default),
+    ];
+    run(0, &ops).unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// D2: a hold and usage both in the way of a sliding window: the retry is
+/// no earlier than the usage leaving.
+#[test]
+fn retry_waits_for_usage_behind_holds() {
+    let ops = [
+        reserve_for(3_500, None, Ttl::Default),
+        settle_last_op(),
+        reserve_for(1_500, None, Ttl::Short(1_000)),
+        reserve_for(4_000, None, Ttl::Default),
+        Op::Advance(Step::Ms(1_000)),
+        reserve_for(4_000, None, Ttl::Default),
+    ];
+    run(0, &ops).unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// D3 and D5: a total is exhausted when usage alone leaves no room for the
+/// request, and rate limited when its holds' ends would.
+#[test]
+fn a_total_is_exhausted_only_by_usage() {
+    let ops = [
+        reserve_for(0, Some(60_000), Ttl::Default),
+        settle_last_op(),
+        reserve_for(0, Some(120_000), Ttl::Short(1_000)),
+        // 40,000 ≤ 200,000 − 60,000 used: the hold's end frees it.
+        reserve_for(0, Some(40_000), Ttl::Default),
+        // 150,000 > 200,000 − 60,000 used: a hard stop.
+        reserve_for(0, Some(150_000), Ttl::Default),
+        Op::Advance(Step::Ms(1_000)),
+        reserve_for(0, Some(150_000), Ttl::Default),
+    ];
+    run(0, &ops).unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// D4: an extend's own hold, the earliest to expire, is not the one its
+/// retry waits for; with none other in the way, usage alone blocks.
+#[test]
+fn extend_does_not_wait_for_its_own_hold() {
+    let first = Pick {
+        index: first_index(),
+        recent: false,
+    };
+    let cost = |c: u64| AmtSet {
+        input: Amt::Zero,
+        output: Amt::Zero,
+        tokens: None,
+        cost: Some(Amt::Small(c)),
+        search: None,
+    };
+    let ops = [
+        reserve_for(0, Some(60_000), Ttl::Short(2_000)),
+        reserve_for(0, Some(100_000), Ttl::Long(60_000)),
+        Op::Advance(Step::Small(10)),
+        Op::Extend(first.clone(), Some(cost(60_000)), None),
+        Op::Refund(Pick {
+            index: last_index(),
+            recent: true,
+        }),
+        Op::Extend(first.clone(), Some(cost(60_000)), None),
+        reserve_for(0, Some(60_000), Ttl::Default),
+        settle_last_op(),
+        // Own 120,000 and 60,000 used: 40,000 more never fits.
+        Op::Extend(first, Some(cost(40_000)), None),
+    ];
+    run(0, &ops).unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// The walk's bound: 70 holds of no tokens expire before the one that
+/// holds the bucket's tokens; the retry is the 64th's expiry (the walk
+/// stops there), in the engine as in the model.
+#[test]
+fn the_hold_walk_is_bounded() {
+    // `tenant3`: tokens 4,000 per 30 s bucket, 20,000 total; cost unbounded.
+    let mut ops = vec![Op::SetKindPlan(0, Some(2))];
+    for i in 0..70 {
+        ops.push(reserve_for(0, None, Ttl::Short(1_000 + i * 10)));
+    }
+    ops.push(reserve_for(4_000, None, Ttl::Long(60_000)));
+    ops.push(reserve_for(1, None, Ttl::Default));
+    ops.push(Op::Advance(Step::Ms(1_500)));
+    ops.push(reserve_for(1, None, Ttl::Default));
     run(0, &ops).unwrap_or_else(|e| panic!("{e}"));
 }

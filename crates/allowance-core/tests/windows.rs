@@ -1369,9 +1369,11 @@ fn calendar_window_at_the_epoch() {
 // total
 // ============================================================================
 
-/// A total never refills. A refusal for usage is `budget_exhausted` (no
-/// retry, no reset); when holds alone block it is `rate_limited` with the
-/// earliest hold expiry; only an admin credit (+) or debit (−) changes it.
+/// A total never refills. A refusal because usage alone leaves no room
+/// (`requested > capacity − used`) is `budget_exhausted` (no retry, no
+/// reset); otherwise holds block and it is `rate_limited` until the
+/// earliest hold holding the dimension expires, which is also its
+/// `resets_at`; only an admin credit (+) or debit (−) changes it.
 #[test]
 fn total_never_refills_and_only_an_admin_changes_it() {
     let exhausted = |requested, remaining| {
@@ -1388,8 +1390,9 @@ fn total_never_refills_and_only_an_admin_changes_it() {
                 .remaining(400)
                 .resets_at(None),
             // 500 > 1000 − 600: the hold alone blocks; it expires at 6 000.
-            reserve("x", "t", &[], &[("cost_micros", 500)])
-                .denied(rate_limited(T, "cost_micros", 5_000).fields(Total, 1000, 400, 500, None)),
+            reserve("x", "t", &[], &[("cost_micros", 500)]).denied(
+                rate_limited(T, "cost_micros", 5_000).fields(Total, 1000, 400, 500, Some(6_000)),
+            ),
             settle("r1", &[("cost_micros", 700)]),
             expect(T, "cost_micros").used(700).holding(0).remaining(300),
             reserve("x", "t", &[], &[("cost_micros", 400)]).denied(exhausted(400, 300)),
@@ -1397,14 +1400,14 @@ fn total_never_refills_and_only_an_admin_changes_it() {
             advance(10 * 365 * DAY_MS),
             expect(T, "cost_micros").used(700).remaining(300),
             reserve("h", "t", &[], &[("cost_micros", 300)]).ttl(10_000),
-            // 1 would fit were the usage gone (1 ≤ 1000 − 300): usage blocks.
-            reserve("x", "t", &[], &[("cost_micros", 1)]).denied(exhausted(1, 0)),
-            // 701 > 1000 − 300: the hold alone blocks.
-            reserve("x", "t", &[], &[("cost_micros", 701)]).denied(rate_limited(
+            // 1 ≤ 1000 − 700 used: the hold's end frees room for it.
+            reserve("x", "t", &[], &[("cost_micros", 1)]).denied(rate_limited(
                 T,
                 "cost_micros",
                 10_000,
             )),
+            // 301 > 1000 − 700 used: the hold's end cannot help.
+            reserve("x", "t", &[], &[("cost_micros", 301)]).denied(exhausted(301, 0)),
             refund("h"),
             adjust(T, "cost_micros", 500),
             expect(T, "cost_micros").used(200).remaining(800),

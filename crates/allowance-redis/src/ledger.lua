@@ -328,7 +328,7 @@ local function load_scope(sc)
     states[i] = st
   end
   if now > S.at then S.at = now end
-  return {S = S, states = states, key = key, hkey = sc.b .. ':h:' .. sc.n, lims = sc.lims}
+  return {S = S, states = states, key = key, hkey = sc.b .. ':h:' .. sc.n, lims = sc.lims, b = sc.b}
 end
 
 -- A scope's state as stored, its windows not advanced (nil if absent): for
@@ -589,6 +589,42 @@ end
 
 -- Checks -------------------------------------------------------------------
 
+-- Most holds a denial looks at for the earliest one holding the refused
+-- dimension: the engine's bound (HOLD_WALK in allowance-core's shard.rs).
+local HOLD_WALK = 64
+
+-- What hold `id` on scope `x` holds, by dimension name (nil: nothing
+-- found). On a cluster a shared scope's holds are its group's foreign
+-- holds; otherwise the reservation's record (a shadow hold's too).
+local function hold_amounts(x, id)
+  local key
+  if req.cl and is_shared_base(x.b) then key = x.b .. ':f:' .. id else key = base_of(id) .. ':r:' .. id end
+  local raw = redis.call('GET', key)
+  if not raw then return nil end
+  return decode(raw, key).h
+end
+
+-- When the earliest hold on scope `x` that holds some of L's dimension
+-- expires (every hold holds the implied ones), `skip`'s aside (an
+-- extend's own hold never frees room for its raise). As the engine
+-- (ScopeState::earliest_holding): at most HOLD_WALK holds are looked at
+-- in expiry order, `skip`'s counted; if none of them holds the dimension,
+-- the expiry of the last one looked at (nil: the scope holds nothing).
+local function earliest_holding(x, L, skip)
+  local e = redis.call('ZRANGE', x.hkey, 0, HOLD_WALK - 1, 'WITHSCORES')
+  local last
+  for i = 1, #e, 2 do
+    local id, at = e[i], tonumber(e[i + 1])
+    last = at
+    if id ~= skip then
+      if L.im then return at end
+      local h = hold_amounts(x, id)
+      if h and (h[L.d] or 0) > 0 then return at end
+    end
+  end
+  return last
+end
+
 local RANK = {rate = 0, budget = 1, exceeds = 2}
 
 local function beats(c, b)
@@ -598,10 +634,17 @@ end
 
 -- The binding denial among every limit of every scope (nil: all fit).
 -- With only_positive, limits asked for nothing are skipped (an extend);
--- `own` (by dimension name) is what the extended reservation holds already:
--- a raise that with it passes a whole capacity can never fit (exceeds, its
--- q the whole hold), as in the engine's check_scope.
-local function check(scopes, only_positive, own)
+-- `own` (by dimension name) is what the extended reservation `skip` holds
+-- already: a raise that with it passes a whole capacity can never fit
+-- (exceeds, its q the whole hold), and its hold, which cannot end while it
+-- is extended, counts as usage. The rule is the engine's check_scope
+-- (docs/ENGINE-CHOICES.md, "Denials"): with free = c − own − q, usage
+-- above free that never leaves (a total) is a hard stop (budget); a
+-- request that fits beside the holds once usage leaves waits for that;
+-- otherwise holds block: the earliest other hold holding the dimension,
+-- and no earlier than usage falls to free. A hold-based retry gives the
+-- denial its hold's expiry as `rs` where the window has none.
+local function check(scopes, only_positive, own, skip)
   local best
   for si, x in ipairs(scopes) do
     for li, L in ipairs(x.lims) do
@@ -612,8 +655,7 @@ local function check(scopes, only_positive, own)
         local u = used(st)
         local room = L.c - u - held
         if q > room then
-          local e = earliest(x.hkey)
-          local kind, ra
+          local kind, ra, due
           local o = 0
           if own then o = own[L.d] or 0 end
           if q > L.c then
@@ -621,15 +663,26 @@ local function check(scopes, only_positive, own)
           elseif q + o > L.c then
             kind = 'exceeds'
             q = q + o
-          elseif held <= L.c and q <= L.c - held then
-            local ms = ms_until(st, L.c - held - q)
-            if ms then kind = 'rate'; ra = max(ms, 1) else kind = 'budget' end
           else
-            kind = 'rate'
-            if e then ra = max(e - now, 1) else ra = 1 end
+            local free = L.c - o - q
+            local um = 0
+            if u > free then um = ms_until(st, free) end
+            local beside
+            if held <= L.c and q <= L.c - held then beside = ms_until(st, L.c - held - q) end
+            if um == nil then
+              kind = 'budget'
+            elseif beside then
+              kind = 'rate'; ra = max(beside, 1)
+            else
+              due = earliest_holding(x, L, skip)
+              local hm = 1
+              if due then hm = max(due - now, 0) end
+              kind = 'rate'; ra = max(hm, um, 1)
+            end
           end
           local rs
-          if L.k == 'n' then rs = e else rs = resets_at(st) end
+          if L.k ~= 'n' then rs = resets_at(st) end
+          if rs == nil then rs = due end
           local c = {kind = kind, ra = ra, s = si, l = li, cap = L.c, rem = room, q = q, rs = rs}
           if best == nil or beats(c, best) then best = c end
         end
@@ -782,7 +835,7 @@ function ops.extend()
   if grow then
     local scopes = {}
     for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
-    local denial = check(scopes, true, rec.h)
+    local denial = check(scopes, true, rec.h, rec.id)
     if denial then return reply({t = 'deny', d = denial}) end
     for _, s in ipairs(scopes) do
       add_map(s.S.h, req.h, 1)
@@ -1062,7 +1115,7 @@ function ops.fextend()
   if grow and not req.undo then
     local scopes = {}
     for i, sc in ipairs(req.scopes) do scopes[i] = load_scope(sc) end
-    local denial = check(scopes, true, f.h)
+    local denial = check(scopes, true, f.h, req.id)
     if denial then return reply({t = 'deny', d = denial}) end
     for _, s in ipairs(scopes) do
       add_map(s.S.h, req.h, 1)
