@@ -54,8 +54,14 @@ USER_TOKENS = 50_000_000
 PRICES_MICROS_PER_MILLION: dict[str, tuple[int, int]] = {
     "gpt-4o": (2_500_000, 10_000_000),
     "claude-sonnet-4-6": (3_000_000, 15_000_000),
+    "gpt-4o-mini": (150_000, 600_000),
 }
 MAX_OUTPUT_TOKENS = 16_384
+# A model whose configured output bound is small: a call that names no bound
+# of its own outgrows it in a few dozen events.
+SMALL_BOUND_MODEL = "gpt-4o-mini"
+SMALL_BOUND_MAX_OUTPUT = 40
+MAX_OUTPUT_TOKENS_OF: dict[str, int] = {SMALL_BOUND_MODEL: SMALL_BOUND_MAX_OUTPUT}
 
 # How long a process may take to print its address, and a settle to show up.
 START_TIMEOUT_S = 30.0
@@ -296,7 +302,7 @@ def gateway_config(stub_url: str, key: str) -> str:
         f'[models."{name}"]\n'
         f'input_per_million = "{inp / 1_000_000:.6f}"\n'
         f'output_per_million = "{out / 1_000_000:.6f}"\n'
-        f"max_output_tokens = {MAX_OUTPUT_TOKENS}\n"
+        f"max_output_tokens = {MAX_OUTPUT_TOKENS_OF.get(name, MAX_OUTPUT_TOKENS)}\n"
         for name, (inp, out) in PRICES_MICROS_PER_MILLION.items()
     )
     return f"""

@@ -325,3 +325,53 @@ def test_streamed_fixture_settles_its_estimate_and_usage(
     assert record["held"]["input_tokens"] == input_tokens > 0
     assert record["charged"]["input_tokens"] == input_tokens
     assert record["charged"]["output_tokens"] == ends[0].usage.output_tokens
+
+
+def test_thinking_stream_holds_its_whole_bound_up_front(stack: Stack, task: Task, sdk: Sdk) -> None:
+    # Thinking is billed as output but not streamed as text (at most a
+    # summary): a stream that asks for it holds its whole bound, as a whole
+    # call does, and is refused up front when the budget cannot cover it.
+    stack.ledger.set_limits(
+        task.scope, [{"dimension": "output_tokens", "capacity": 1000, "window": "total"}]
+    )
+    stack.ledger.adjust(task.scope, "output_tokens", -500)
+    stack.stub.behave(output_tokens=2, reasoning_tokens=300)
+    client = sdk(max_retries=0)
+    with (
+        pytest.raises(anthropic.APIStatusError) as caught,
+        client.messages.stream(
+            model=MODEL,
+            max_tokens=800,
+            messages=HELLO,
+            thinking={"type": "enabled", "budget_tokens": 700},
+        ) as refused,
+    ):
+        refused.until_done()
+    assert caught.value.status_code == 402
+    assert stack.stub.model_requests() == []
+    with client.messages.stream(
+        model=MODEL,
+        max_tokens=400,
+        messages=HELLO,
+        thinking={"type": "enabled", "budget_tokens": 350},
+    ) as stream:
+        final = stream.get_final_message()
+    assert final.usage.output_tokens == 302
+    record = task.only_settled()
+    assert record["held"]["output_tokens"] == 400
+    assert record["charged"]["output_tokens"] == 302
+    task.assert_nothing_held()
+
+
+def test_upstream_break_mid_stream_reaches_the_sdk_as_its_error_event(
+    stack: Stack, task: Task, sdk: Sdk
+) -> None:
+    for _ in range(3):
+        stack.stub.enqueue({"cut_after_tokens": 4})
+        stream = sdk(max_retries=0).messages.create(
+            model=MODEL, max_tokens=100, messages=HELLO, stream=True
+        )
+        with pytest.raises(anthropic.APIError) as caught:
+            for _event in stream:
+                pass
+        assert "broke off" in caught.value.message

@@ -15,6 +15,8 @@ from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 
 from harness import (
     GATEWAY_MAX_RETRIES,
+    SMALL_BOUND_MAX_OUTPUT,
+    SMALL_BOUND_MODEL,
     TENANT,
     TRANCHE_TOKENS,
     TRANSPORT_ERRORS,
@@ -529,3 +531,145 @@ def test_streamed_fixture_settles_its_estimate_and_usage(
     assert attempt["scopes"] == ["tenant:~gateway", f"upstream:{UPSTREAM}"]
     assert attempt["charged"]["input_tokens"] == usage.prompt_tokens
     assert attempt["charged"]["output_tokens"] == usage.completion_tokens
+
+
+# --- output the request does not bound, and reasoning -------------------------
+
+
+def test_stream_without_a_bound_is_cut_past_the_models_estimate(
+    stack: Stack, task: Task, sdk: Sdk
+) -> None:
+    # The model's max_output_tokens is only the estimate of a call that names
+    # no bound: the provider was never told it. The stream goes on topping up
+    # past it and is cut when the budget refuses, never spending past it.
+    room = 100
+    leave_room_for_output(stack, task, room)
+    stack.stub.behave(output_tokens=300)
+    stream = sdk(max_retries=0).chat.completions.create(
+        model=SMALL_BOUND_MODEL, messages=HELLO, stream=True
+    )
+    texts: list[str] = []
+    with pytest.raises(openai.APIError) as caught:
+        for chunk in stream:
+            if content_of(chunk):
+                texts.append(content_of(chunk))
+    assert not isinstance(caught.value, openai.APIStatusError)  # the answer was a 200
+    body = caught.value.body
+    assert isinstance(body, dict)
+    assert body["code"] == "budget_exhausted"
+    assert SMALL_BOUND_MAX_OUTPUT < len(texts) <= room
+    record = task.only_settled()
+    assert record["charged"]["output_tokens"] == len(texts)
+    (limit,) = stack.ledger.scope(task.scope)["limits"]
+    assert limit["used"] <= limit["capacity"]
+    # Sent as the client wrote it: no bound added.
+    (sent,) = stack.stub.model_requests()
+    assert "max_tokens" not in sent["body"]
+    assert "max_completion_tokens" not in sent["body"]
+    task.assert_nothing_held()
+
+
+def test_reasoning_stream_is_refused_up_front_as_the_whole_call_is(
+    stack: Stack, task: Task, sdk: Sdk
+) -> None:
+    # Reasoning is billed as output but never streamed: the stream would never
+    # top up while the model thinks. It holds its whole bound up front, so the
+    # budget refuses it before anything is sent, as it refuses the whole call.
+    leave_room_for_output(stack, task, 500)
+    stack.stub.behave(output_tokens=2, reasoning_tokens=900)
+    client = sdk(max_retries=0)
+    with pytest.raises(openai.APIStatusError) as whole:
+        client.responses.create(
+            model=MODEL, input="Think hard.", max_output_tokens=1000, reasoning={"effort": "high"}
+        )
+    with pytest.raises(openai.APIStatusError) as streamed:
+        stream = client.responses.create(
+            model=MODEL,
+            input="Think hard.",
+            max_output_tokens=1000,
+            reasoning={"effort": "high"},
+            stream=True,
+        )
+        list(stream)
+    assert whole.value.status_code == 402
+    assert streamed.value.status_code == whole.value.status_code
+    assert streamed.value.code == "budget_exhausted"
+    assert stack.stub.model_requests() == []
+    assert task.records() == []
+    task.assert_nothing_held()
+
+
+def test_reasoning_stream_holds_its_bound_and_settles_the_reasoning(
+    stack: Stack, task: Task, sdk: Sdk
+) -> None:
+    stack.stub.behave(output_tokens=2, reasoning_tokens=300)
+    events = list(
+        sdk().responses.create(
+            model=MODEL,
+            input="Think.",
+            max_output_tokens=400,
+            reasoning={"effort": "low"},
+            stream=True,
+        )
+    )
+    (completed,) = [e for e in events if e.type == "response.completed"]
+    usage = completed.response.usage
+    assert usage is not None
+    assert usage.output_tokens_details.reasoning_tokens == 300
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) == 2
+    record = task.only_settled()
+    assert record["held"]["output_tokens"] == 400  # the whole bound, up front
+    assert record["charged"]["output_tokens"] == usage.output_tokens == 302
+    task.assert_nothing_held()
+
+
+# --- 502s the SDK must not retry ------------------------------------------------
+
+
+def test_whole_answer_broken_off_is_a_502_the_sdk_does_not_retry(
+    stack: Stack, task: Task, sdk: Sdk
+) -> None:
+    # The provider generated the answer (and bills it) before it broke off: a
+    # retry would be a second generation, billed again.
+    stack.stub.enqueue({"cut_after_tokens": 3})
+    with pytest.raises(openai.InternalServerError) as caught:
+        sdk(max_retries=2).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=20)
+    assert caught.value.status_code == 502
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    assert len(stack.stub.model_requests()) == 1
+    record = task.only_settled()
+    assert record["charged"]["output_tokens"] == 20  # charged as held, never free
+    task.assert_nothing_held()
+
+
+def test_upstream_401_is_not_the_clients_key(stack: Stack, task: Task, sdk: Sdk) -> None:
+    # The provider refused the gateway's upstream key: an AuthenticationError
+    # would tell the client its own gateway key is wrong.
+    stack.stub.enqueue({"status": 401})
+    with pytest.raises(openai.APIStatusError) as caught:
+        sdk(max_retries=2).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5)
+    assert not isinstance(caught.value, openai.AuthenticationError)
+    assert caught.value.status_code == 502
+    assert "upstream key" in caught.value.message
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    assert len(stack.stub.model_requests()) == 1
+    (record,) = task.wait_records(1)
+    assert record["kind"] == "refunded"
+    task.assert_nothing_held()
+
+
+def test_upstream_break_mid_stream_reaches_the_sdk_as_its_error_event(
+    stack: Stack, task: Task, sdk: Sdk
+) -> None:
+    # The gateway's error event is written out before the body is aborted:
+    # the SDK raises it (naming the break), not a bare transport error.
+    for _ in range(3):
+        stack.stub.enqueue({"cut_after_tokens": 4})
+        stream = sdk(max_retries=0).chat.completions.create(
+            model=MODEL, messages=HELLO, stream=True
+        )
+        with pytest.raises(openai.APIError) as caught:
+            for _chunk in stream:
+                pass
+        assert "broke off" in caught.value.message

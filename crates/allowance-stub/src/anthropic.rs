@@ -78,7 +78,7 @@ pub(crate) fn message_json(call: &Call, output_tokens: u64, hit_bound: bool) -> 
         &new_id("msg_"),
         json!([{"type": "text", "text": output_text(output_tokens)}]),
         Value::from(stop_reason(hit_bound)),
-        usage(call.input_tokens, output_tokens),
+        usage(call.input_tokens, output_tokens + call.reasoning_tokens),
     )
 }
 
@@ -120,7 +120,7 @@ pub(crate) fn message_events(call: &Call, output_tokens: u64, hit_bound: bool) -
             &json!({
                 "type": "message_delta",
                 "delta": {"stop_reason": stop_reason(hit_bound), "stop_sequence": null},
-                "usage": {"output_tokens": output_tokens}
+                "usage": {"output_tokens": output_tokens + call.reasoning_tokens}
             }),
         ),
         named_event("message_stop", &json!({"type": "message_stop"})),

@@ -95,6 +95,9 @@ pub(crate) struct Call {
     pub(crate) embedding: Option<EmbeddingShape>,
     /// Responses only: request fields the real API echoes in its answer.
     pub(crate) echo: Map<String, Value>,
+    /// Hidden reasoning tokens of the answer (set when it is made): in the
+    /// usage's output, never in the text.
+    pub(crate) reasoning_tokens: u64,
 }
 
 fn optional_bool(body: &Map<String, Value>, field: &str) -> Result<bool, BadRequest> {
@@ -246,6 +249,7 @@ impl Call {
             input_tokens,
             embedding,
             echo,
+            reasoning_tokens: 0,
         })
     }
 
@@ -254,6 +258,15 @@ impl Call {
     pub(crate) fn output_tokens(&self, behavior_tokens: u32) -> u64 {
         let tokens = u64::from(behavior_tokens);
         self.bound.map_or(tokens, |bound| bound.min(tokens))
+    }
+
+    /// Reasoning tokens of the answer: the behaviour's, within what the
+    /// request's bound leaves after `output_tokens` of text.
+    pub(crate) fn reasoning_tokens(&self, behavior_reasoning: u32, output_tokens: u64) -> u64 {
+        let tokens = u64::from(behavior_reasoning);
+        self.bound.map_or(tokens, |bound| {
+            tokens.min(bound.saturating_sub(output_tokens))
+        })
     }
 
     /// Whether the request's bound, not the behaviour, ended the output.

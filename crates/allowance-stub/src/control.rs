@@ -32,6 +32,12 @@ pub struct Behavior {
     pub first_byte_delay_ms: u64,
     /// At most this many model calls in flight; one more answers 429.
     pub concurrency_limit: Option<u32>,
+    /// Reasoning tokens per call: billed as output in the usage (and
+    /// reported as `reasoning_tokens`) but never streamed, as a reasoning
+    /// model's hidden thinking; within the request's bound, after the
+    /// visible output.
+    #[serde(default)]
+    pub reasoning_tokens: u32,
 }
 
 impl Behavior {
@@ -44,6 +50,7 @@ impl Behavior {
             token_delay_ms: 0,
             first_byte_delay_ms: 0,
             concurrency_limit: None,
+            reasoning_tokens: 0,
         }
     }
 }
@@ -65,6 +72,9 @@ pub struct BehaviorPatch {
     /// New [`Behavior::concurrency_limit`]; `Some(None)` removes the limit.
     #[serde(default, deserialize_with = "present")]
     pub concurrency_limit: Option<Option<u32>>,
+    /// New [`Behavior::reasoning_tokens`].
+    #[serde(default)]
+    pub reasoning_tokens: Option<u32>,
 }
 
 /// Tells a key given as `null` (`Some(None)`) from a missing key (`None`).
@@ -116,6 +126,12 @@ impl BehaviorPatch {
                 format!("must be at most {MAX_OUTPUT_TOKENS}"),
             ));
         }
+        if self.reasoning_tokens.is_some_and(|n| n > MAX_OUTPUT_TOKENS) {
+            return Err(invalid(
+                "reasoning_tokens",
+                format!("must be at most {MAX_OUTPUT_TOKENS}"),
+            ));
+        }
         check_delay("token_delay_ms".into(), self.token_delay_ms)?;
         check_delay("first_byte_delay_ms".into(), self.first_byte_delay_ms)
     }
@@ -132,6 +148,9 @@ impl BehaviorPatch {
         }
         if let Some(limit) = self.concurrency_limit {
             behavior.concurrency_limit = limit;
+        }
+        if let Some(n) = self.reasoning_tokens {
+            behavior.reasoning_tokens = n;
         }
     }
 }

@@ -60,6 +60,13 @@
 //! Anthropic `stop_reason: "max_tokens"` (else `"stop"` / `"end_turn"`);
 //! a Responses answer is always `status: "completed"`.
 //!
+//! **Reasoning.** With `reasoning_tokens: R` in the behaviour, an answer
+//! also "reasons" `min(R, bound − N)` tokens (all `R` without a bound):
+//! they are billed as output in the usage (chat `completion_tokens` and
+//! `completion_tokens_details.reasoning_tokens`, Responses `output_tokens`
+//! and `output_tokens_details.reasoning_tokens`, Anthropic `output_tokens`)
+//! but never streamed, as a reasoning model's hidden thinking.
+//!
 //! **Usage.** `prompt_tokens` / `input_tokens` follow the shared input
 //! formula (see [`formula`]), output counts are `N`:
 //! - chat non-streaming: `usage {prompt_tokens, completion_tokens,
@@ -96,7 +103,7 @@
 //!
 //! | call | effect |
 //! |---|---|
-//! | `POST /_stub/behavior {"output_tokens": 20, "token_delay_ms": 0, "first_byte_delay_ms": 0, "concurrency_limit": null}` | changes the given keys for later calls (omitted keys unchanged, `null` limit = none); answers the whole [`Behavior`] (`GET` reads it) |
+//! | `POST /_stub/behavior {"output_tokens": 20, "token_delay_ms": 0, "first_byte_delay_ms": 0, "concurrency_limit": null, "reasoning_tokens": 0}` | changes the given keys for later calls (omitted keys unchanged, `null` limit = none); answers the whole [`Behavior`] (`GET` reads it) |
 //! | `POST /_stub/enqueue [{…}, …]` | queues [`Scripted`] answers for the next model calls, in order; answers `{"queued": LEN}` |
 //! | `GET /_stub/requests` | the log: `[{"path", "received_at_ms", "headers": {lower-case name: value}, "body"}]`, oldest first |
 //! | `GET /_stub/stats` | `{"in_flight", "max_in_flight", "total"}` ([`Stats`]) |

@@ -45,14 +45,15 @@ pub(crate) fn default_message(status: u16) -> &'static str {
     }
 }
 
-fn chat_usage(input_tokens: u64, output_tokens: u64) -> Value {
+fn chat_usage(input_tokens: u64, text_tokens: u64, reasoning_tokens: u64) -> Value {
+    let output_tokens = text_tokens + reasoning_tokens;
     json!({
         "prompt_tokens": input_tokens,
         "completion_tokens": output_tokens,
         "total_tokens": input_tokens + output_tokens,
         "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
         "completion_tokens_details": {
-            "reasoning_tokens": 0,
+            "reasoning_tokens": reasoning_tokens,
             "audio_tokens": 0,
             "accepted_prediction_tokens": 0,
             "rejected_prediction_tokens": 0
@@ -82,7 +83,7 @@ pub(crate) fn chat_json(call: &Call, output_tokens: u64, hit_bound: bool) -> Val
             "logprobs": null,
             "finish_reason": finish_reason(hit_bound)
         }],
-        "usage": chat_usage(call.input_tokens, output_tokens),
+        "usage": chat_usage(call.input_tokens, output_tokens, call.reasoning_tokens),
         "service_tier": "default",
         "system_fingerprint": SYSTEM_FINGERPRINT
     })
@@ -126,19 +127,20 @@ pub(crate) fn chat_events(call: &Call, output_tokens: u64, hit_bound: bool) -> E
             "service_tier": "default",
             "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": [],
-            "usage": chat_usage(call.input_tokens, output_tokens)
+            "usage": chat_usage(call.input_tokens, output_tokens, call.reasoning_tokens)
         })));
     }
     tail.push(Bytes::from_static(b"data: [DONE]\n\n"));
     Events { head, tokens, tail }
 }
 
-fn responses_usage(input_tokens: u64, output_tokens: u64) -> Value {
+fn responses_usage(input_tokens: u64, text_tokens: u64, reasoning_tokens: u64) -> Value {
+    let output_tokens = text_tokens + reasoning_tokens;
     json!({
         "input_tokens": input_tokens,
         "input_tokens_details": {"cached_tokens": 0},
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": input_tokens + output_tokens
     })
 }
@@ -201,7 +203,7 @@ pub(crate) fn responses_json(call: &Call, output_tokens: u64) -> Value {
         unix_s(),
         "completed",
         json!([item]),
-        responses_usage(call.input_tokens, output_tokens),
+        responses_usage(call.input_tokens, output_tokens, call.reasoning_tokens),
     )
 }
 
@@ -253,7 +255,7 @@ pub(crate) fn responses_events(call: &Call, output_tokens: u64) -> Events {
         created,
         "completed",
         json!([done_item]),
-        responses_usage(call.input_tokens, output_tokens),
+        responses_usage(call.input_tokens, output_tokens, call.reasoning_tokens),
     );
     let tail = vec![
         event(

@@ -397,6 +397,9 @@ async fn answer(
     sleep_ms(behavior.first_byte_delay_ms).await;
     let output_tokens = call.output_tokens(behavior.output_tokens);
     let hit_bound = call.hit_bound(behavior.output_tokens);
+    let mut call = call.clone();
+    call.reasoning_tokens = call.reasoning_tokens(behavior.reasoning_tokens, output_tokens);
+    let call = &call;
     let token_delay = Duration::from_millis(behavior.token_delay_ms);
     let cut = cut_after_tokens.map(u64::from);
     let events = match (call.stream, call.endpoint) {

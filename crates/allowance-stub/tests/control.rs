@@ -33,7 +33,7 @@ async fn behavior_patch_changes_only_given_keys() {
     assert_eq!(status, 200);
     assert_eq!(
         body,
-        json!({"output_tokens": 3, "token_delay_ms": 0, "first_byte_delay_ms": 0, "concurrency_limit": 4})
+        json!({"output_tokens": 3, "token_delay_ms": 0, "first_byte_delay_ms": 0, "concurrency_limit": 4, "reasoning_tokens": 0})
     );
     let (_, body) = control(&stub, "/_stub/behavior", &json!({"token_delay_ms": 1})).await;
     assert_eq!(body["output_tokens"], 3);

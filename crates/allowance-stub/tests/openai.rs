@@ -448,3 +448,39 @@ fn sse_parser_reads_named_and_plain_events() {
     assert_eq!(events[0].event.as_deref(), Some("a"));
     assert_eq!(events[1].data, "[DONE]");
 }
+
+#[tokio::test]
+async fn reasoning_is_billed_as_output_but_never_streamed() {
+    let stub = stub().await;
+    stub.set_behavior(&BehaviorPatch {
+        output_tokens: Some(4),
+        reasoning_tokens: Some(50),
+        ..BehaviorPatch::default()
+    })
+    .expect("valid");
+    // Whole, without a bound: all of it.
+    let (status, body) = post_json(&stub, CHAT, &hello_chat()).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body["choices"][0]["message"]["content"],
+        OUTPUT_WORD.repeat(4)
+    );
+    assert_eq!(body["usage"]["completion_tokens"], 54);
+    assert_eq!(
+        body["usage"]["completion_tokens_details"]["reasoning_tokens"],
+        50
+    );
+    // Streamed, within a bound of 30: 4 visible, 26 reasoned, none streamed.
+    let request =
+        json!({"model": "gpt-4o-mini", "input": "Think.", "max_output_tokens": 30, "stream": true});
+    let (_, events) = post_sse(&stub, RESPONSES, &request).await;
+    let deltas = events
+        .iter()
+        .filter(|e| e.event.as_deref() == Some("response.output_text.delta"))
+        .count();
+    assert_eq!(deltas, 4);
+    let completed = events.last().expect("events").json();
+    let usage = &completed["response"]["usage"];
+    assert_eq!(usage["output_tokens"], 30, "{usage}");
+    assert_eq!(usage["output_tokens_details"]["reasoning_tokens"], 26);
+}

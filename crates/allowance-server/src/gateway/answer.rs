@@ -103,6 +103,15 @@ impl GatewayError {
         Self::new(StatusCode::BAD_GATEWAY, "api_error", message)
     }
 
+    /// A 502 the SDK must not retry: the provider may have run the call
+    /// (a retry would be a second generation, billed again), or a retry
+    /// cannot help (the gateway's own upstream key was refused).
+    pub fn bad_gateway_final(message: impl Into<String>) -> Self {
+        let mut e = Self::bad_gateway(message);
+        insert(&mut e.headers, "x-should-retry", "false");
+        e
+    }
+
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self::new(StatusCode::SERVICE_UNAVAILABLE, "api_error", message)
     }
@@ -187,15 +196,17 @@ impl GatewayError {
         v
     }
 
-    /// The whole answer in `flavor`.
+    /// The whole answer in `flavor`. `extra` (the call's own headers) never
+    /// overrides the error's: a denial carries the headers of the limit
+    /// that said no.
     pub fn respond(self, flavor: Flavor, extra: HeaderMap) -> Response {
         let body = self.body(flavor);
         let mut r = (self.status, axum::Json(body)).into_response();
+        r.headers_mut().extend(extra);
         if let Some(d) = &self.denial {
             denial_ratelimit_headers(r.headers_mut(), d, flavor);
         }
         r.headers_mut().extend(self.headers);
-        r.headers_mut().extend(extra);
         r
     }
 }

@@ -61,6 +61,11 @@ pub(crate) struct Prepared {
     /// Output tokens the whole call may produce (the request's bound or the
     /// model's).
     pub output_bound: u64,
+    /// Whether the request set `output_bound` itself. When it did not, the
+    /// model's `max_output_tokens` is only the estimate: the provider is not
+    /// told to stop there, so a stream tops up past it, tranche by tranche,
+    /// until a top-up is refused.
+    pub bounded: bool,
     /// Output tokens reserved at first (all of them, or a stream's tranche).
     pub output_reserved: u64,
     pub tranche_tokens: u64,
@@ -118,6 +123,24 @@ pub(crate) fn count_call(api: Api, outcome: &'static str) {
         .increment(1);
 }
 
+/// The outcome a refused reserve counts as: a ledger's denial is
+/// `denied`, but a store that did not answer is `unavailable` (and a store
+/// error, so an outage does not read as tenants at their limits), and a
+/// request the ledger found invalid is `invalid`.
+fn refusal_outcome(e: &GatewayError) -> &'static str {
+    match e.status {
+        StatusCode::SERVICE_UNAVAILABLE => {
+            crate::metrics::store_error("gateway");
+            "unavailable"
+        }
+        StatusCode::TOO_MANY_REQUESTS
+        | StatusCode::PAYMENT_REQUIRED
+        | StatusCode::UNPROCESSABLE_ENTITY => "denied",
+        s if s.is_client_error() => "invalid",
+        _ => "error",
+    }
+}
+
 /// Everything that can refuse a call before anything is held.
 async fn prepare(
     state: &AppState,
@@ -161,14 +184,14 @@ async fn prepare(
     let tokenizer = price
         .and_then(|p| Tokenizer::from_name(&p.tokenizer))
         .unwrap_or(Tokenizer::O200kBase);
-    let mut bounded = false;
+    let mut input_bounded = false;
     let estimate = if bytes.len() > BOUND_FIRST_BYTES
         && let Ok(b) = allowance_estimate::estimate_bound(api, &json, tokenizer)
         && (b.exact || b.estimate.stream)
     {
         // Exact from the cache (a re-sent conversation), or a stream that
         // can start on the bound. (A bad body is refused below, as ever.)
-        bounded = !b.exact;
+        input_bounded = !b.exact;
         Ok(b.estimate)
     } else if bytes.len() > TOKENIZE_INLINE_BYTES {
         // The body goes to the blocking thread and comes back: no copy.
@@ -195,7 +218,14 @@ async fn prepare(
     {
         output_bound = output_bound.saturating_mul(n.min(128));
     }
-    let output_reserved = if estimate.stream {
+    // Without a bound of its own the model's is only an estimate: nothing
+    // tells the provider to stop there (see `Prepared::bounded`).
+    let bounded = estimate.output_bound.is_some();
+    // Reasoning is billed as output but never streamed: a stream that asks
+    // for it cannot be metered as it flows, so it holds its whole bound up
+    // front, as a whole call does.
+    let reasoning = asks_for_reasoning(api, &json);
+    let output_reserved = if estimate.stream && !reasoning {
         gw.tranche_tokens.min(output_bound)
     } else {
         output_bound
@@ -259,7 +289,7 @@ async fn prepare(
             passed.insert(name.clone(), value.clone());
         }
     }
-    let count_later = bounded.then_some(json);
+    let count_later = input_bounded.then_some(json);
     Ok(Prepared {
         api,
         flavor,
@@ -273,6 +303,7 @@ async fn prepare(
         tokenizer,
         estimate,
         output_bound,
+        bounded,
         output_reserved,
         tranche_tokens: gw.tranche_tokens,
         body,
@@ -282,6 +313,29 @@ async fn prepare(
         passed,
         started,
     })
+}
+
+/// Whether a request asks the model to reason: `reasoning` on
+/// `/v1/responses`, `reasoning_effort` on chat completions, `thinking` on
+/// Anthropic messages — unless it turns reasoning off (`"none"`,
+/// `"disabled"`, `null`).
+fn asks_for_reasoning(api: Api, json: &Value) -> bool {
+    let off = |v: Option<&Value>| v.and_then(Value::as_str).is_some_and(|s| s == "none");
+    match api {
+        Api::Responses => match json.get("reasoning") {
+            None | Some(Value::Null) => false,
+            Some(r) => !off(r.get("effort")),
+        },
+        Api::ChatCompletions => match json.get("reasoning_effort") {
+            None | Some(Value::Null) => false,
+            Some(e) => !off(Some(e)),
+        },
+        Api::AnthropicMessages => match json.get("thinking") {
+            None | Some(Value::Null) => false,
+            Some(t) => t.get("type").and_then(Value::as_str) != Some("disabled"),
+        },
+        Api::Embeddings => false,
+    }
 }
 
 /// The member that asks a chat stream for its usage.
@@ -386,21 +440,39 @@ fn scopes_of(key: &GatewayKey, headers: &HeaderMap) -> Result<Vec<(String, Strin
         let id = value
             .to_str()
             .map_err(|_| GatewayError::invalid(Some(header.clone()), "not a valid scope id"))?;
-        let fixed_by_key =
-            (kind == "user" && key.user.is_some()) || (kind == "agent" && key.agent.is_some());
-        // A header that repeats what the key fixes adds nothing: it agrees
-        // (below) whether or not the kind is one the client may add.
-        if !fixed_by_key && !key.client_scopes.iter().any(|k| k == kind) {
+        // The key always fixes the tenant, and its user and agent when it
+        // names them.
+        let fixed_by_key = match kind {
+            "tenant" => Some(&key.tenant),
+            "user" => key.user.as_ref(),
+            "agent" => key.agent.as_ref(),
+            _ => None,
+        };
+        if let Some(fixed) = fixed_by_key {
+            // A header that repeats what the key fixes adds nothing: it
+            // agrees, whether or not the kind is one the client may add.
+            if fixed != id {
+                return Err(GatewayError::forbidden(format!(
+                    "{header}: the gateway key fixes {kind} {fixed:?}"
+                )));
+            }
+            continue;
+        }
+        if !key.client_scopes.iter().any(|k| k == kind) {
             return Err(GatewayError::forbidden(format!(
                 "{header}: this gateway key may not add `{kind}` scopes (its client_scopes are {:?})",
                 key.client_scopes
             )));
         }
-        if let Some((_, fixed)) = out.iter().find(|(k, _)| k == kind) {
-            if fixed != id {
-                return Err(GatewayError::forbidden(format!(
-                    "{header}: the gateway key fixes {kind} {fixed:?}"
-                )));
+        if let Some((_, given)) = out.iter().find(|(k, _)| k == kind) {
+            // The same header twice: one scope of a kind per call.
+            if given != id {
+                return Err(GatewayError::invalid(
+                    Some(header.clone()),
+                    format!(
+                        "{header} is given twice, as {given:?} and {id:?}: a call has one {kind}"
+                    ),
+                ));
             }
             continue;
         }
@@ -415,8 +487,10 @@ enum Attempt {
     Answered(reqwest::Response, Option<ReservationId>, Permit),
     /// A final non-2xx answer to pass on.
     Failed(reqwest::Response),
-    /// No answer at all.
-    NoAnswer(String),
+    /// No answer at all; `sent` when the request may have reached the
+    /// provider (a timeout, a connection lost after sending): the provider
+    /// may have run it, so the client must not retry it either.
+    NoAnswer { why: String, sent: bool },
     /// The gateway refused to schedule it (upstream limits).
     Refused(GatewayError),
 }
@@ -496,7 +570,7 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
                 drop(permit);
                 refund(&state, id).await;
             }
-            count_call(p.api, "denied");
+            count_call(p.api, refusal_outcome(&e));
             return e.respond(p.flavor, HeaderMap::new());
         }
     };
@@ -539,23 +613,46 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
                 r
             }
         }
+        Attempt::Failed(resp) if resp.status() == reqwest::StatusCode::UNAUTHORIZED => {
+            // The provider refused the gateway's upstream key, not the
+            // client's gateway key: passed on as a 401, it would read as
+            // the client's own key being wrong.
+            drop(lease);
+            refund(&state, granted.id).await;
+            count_call(p.api, "upstream_error");
+            upstream_key_refused(&p, resp)
+                .await
+                .respond(p.flavor, extra)
+        }
         Attempt::Failed(resp) => {
             drop(lease);
             refund(&state, granted.id).await;
             count_call(p.api, "upstream_error");
             pass_on(resp, extra).await
         }
-        Attempt::NoAnswer(why) => {
+        Attempt::NoAnswer { why, sent } => {
             drop(lease);
             refund(&state, granted.id).await;
             count_call(p.api, "upstream_unreachable");
-            GatewayError::bad_gateway(why).respond(p.flavor, extra)
+            let e = if sent {
+                GatewayError::bad_gateway_final(why)
+            } else {
+                GatewayError::bad_gateway(why)
+            };
+            e.respond(p.flavor, extra)
         }
         Attempt::Refused(e) => {
             drop(lease);
             refund(&state, granted.id).await;
             count_call(p.api, "upstream_limited");
-            e.respond(p.flavor, extra)
+            // The caller's own rate-limit headers (taken with its hold, now
+            // refunded) are not the limit that said no: the refusal carries
+            // its own.
+            let mut own = HeaderMap::new();
+            if retried {
+                insert(&mut own, "x-should-retry", "false");
+            }
+            e.respond(p.flavor, own)
         }
     }
 }
@@ -657,10 +754,10 @@ async fn attempts(
                     w
                 } else {
                     return (
-                        Attempt::NoAnswer(format!(
-                            "upstream {} is unreachable: {e}",
-                            up.settings.name
-                        )),
+                        Attempt::NoAnswer {
+                            why: format!("upstream {} is unreachable: {e}", up.settings.name),
+                            sent: false,
+                        },
                         retries > 0,
                     );
                 }
@@ -675,7 +772,7 @@ async fn attempts(
                     }
                     _ => format!("upstream {} did not answer in time", up.settings.name),
                 };
-                return (Attempt::NoAnswer(why), retries > 0);
+                return (Attempt::NoAnswer { why, sent: true }, retries > 0);
             }
         };
         retries += 1;
@@ -709,7 +806,18 @@ async fn schedule(
     let req = &p.attempt_req;
     let max_wait_ms = state.options().max_wait_ms;
     let left_ms = max_wait_ms.saturating_sub(p.started.elapsed().as_millis() as u64);
-    let id = match admit(state, &p.catalog, req, left_ms, 0, Some(&p.tenant)).await {
+    // First without a wait: a refusal whose retry comes after the call may
+    // wait anyway is answered at once (the client is told when to come
+    // back), not after sitting out the whole wait.
+    let mut admitted = admit(state, &p.catalog, req, 0, 0, Some(&p.tenant)).await;
+    if let Ok(Err(StoreError::Rejected(ReserveError::Denied(d)))) = &admitted
+        && left_ms > 0
+        && d.kind == allowance_core::DenialKind::RateLimited
+        && !wait_cannot_end_in(state, d, left_ms).await
+    {
+        admitted = admit(state, &p.catalog, req, left_ms, 0, Some(&p.tenant)).await;
+    }
+    let id = match admitted {
         Ok(Ok(g)) => g.id,
         Ok(Err(StoreError::Rejected(ReserveError::Denied(d)))) => {
             return Err(GatewayError::denied(&d, state.now(), &p.catalog));
@@ -727,6 +835,40 @@ async fn schedule(
         return Err(e);
     }
     Ok((permit, Some(id)))
+}
+
+/// Whether a rate-limit denial cannot end within `left_ms`: its retry comes
+/// later, and nothing held on the refusing scope could end sooner and give
+/// room back (with holds, the ledger's retry is only their expiry, and a
+/// refund may come first). Without holds, room comes back only as usage
+/// leaves the window, at the ledger's retry, or later when others take it.
+async fn wait_cannot_end_in(state: &AppState, d: &allowance_core::Denial, left_ms: u64) -> bool {
+    if d.retry_after_ms.is_none_or(|ms| ms <= left_ms) {
+        return false;
+    }
+    match state.call(state.store().status(&d.scope)).await {
+        Ok(Ok(status)) => status.held_reservations == 0,
+        _ => false,
+    }
+}
+
+/// The provider's 401: the gateway's upstream key was refused (a 502 the
+/// client does not retry, naming the upstream and its message).
+async fn upstream_key_refused(p: &Prepared, resp: reqwest::Response) -> GatewayError {
+    let body = tokio::time::timeout(UPSTREAM_TIMEOUT, resp.bytes())
+        .await
+        .ok()
+        .and_then(Result::ok)
+        .unwrap_or_default();
+    let said = serde_json::from_slice::<Value>(&body)
+        .ok()
+        .and_then(|v| v["error"]["message"].as_str().map(str::to_owned))
+        .map(|m| format!(": {m}"))
+        .unwrap_or_default();
+    GatewayError::bad_gateway_final(format!(
+        "upstream {} refused the gateway's upstream key (401{said}); your gateway key was accepted: tell the gateway's operator",
+        p.upstream.settings.name
+    ))
 }
 
 /// The first attempt's place upstream when it is free now: no backoff, a
@@ -919,7 +1061,7 @@ async fn finish_whole(
             settle_attempt(state, attempt_id, None).await;
             settle(state, p, tenant_id, &estimated_usage(p, p.output_reserved)).await;
             count_call(p.api, "upstream_broken");
-            return GatewayError::bad_gateway("the upstream's answer broke off")
+            return GatewayError::bad_gateway_final("the upstream's answer broke off")
                 .respond(p.flavor, extra);
         }
     };
@@ -1185,6 +1327,32 @@ async fn pause(ms: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A refused reserve is counted by why: an outage is not a denial.
+    #[test]
+    fn a_refusal_counts_as_what_it_is() {
+        assert_eq!(
+            refusal_outcome(&GatewayError::unavailable("redis: timed out")),
+            "unavailable"
+        );
+        assert_eq!(
+            refusal_outcome(&GatewayError::invalid(None, "no price")),
+            "invalid"
+        );
+        assert_eq!(
+            refusal_outcome(&GatewayError::forbidden("another tenant")),
+            "invalid"
+        );
+        let mut denied = GatewayError::invalid(None, "x");
+        for status in [
+            StatusCode::TOO_MANY_REQUESTS,
+            StatusCode::PAYMENT_REQUIRED,
+            StatusCode::UNPROCESSABLE_ENTITY,
+        ] {
+            denied.status = status;
+            assert_eq!(refusal_outcome(&denied), "denied", "{status}");
+        }
+    }
 
     #[test]
     fn a_member_is_added_last_to_any_object() {

@@ -187,11 +187,18 @@ async fn pump(
                 break 'read;
             }
             // Top up before the hold runs out: a quarter of a tranche early,
-            // so the stream rarely waits on the ledger.
+            // so the stream rarely waits on the ledger. A request without a
+            // bound of its own is not stopped at the model's (the provider
+            // was never told it): it goes on, tranche by tranche, until a
+            // top-up is refused.
             let early = p.tranche_tokens / 4;
-            if swapping.is_none() && held_output < p.output_bound && counted + early >= held_output
-            {
-                let add = p.tranche_tokens.min(p.output_bound - held_output);
+            let room_to_bound = if p.bounded {
+                p.output_bound.saturating_sub(held_output)
+            } else {
+                p.tranche_tokens
+            };
+            if swapping.is_none() && room_to_bound > 0 && counted + early >= held_output {
+                let add = p.tranche_tokens.min(room_to_bound);
                 let amounts = Amounts::new().with(Dimension::OUTPUT_TOKENS, add);
                 match state
                     .call(
@@ -231,6 +238,11 @@ async fn pump(
             }
         }
     }
+    // Closing the connection tells the provider to stop generating; its
+    // place upstream is free at once (a broken stream may still wait for
+    // its error event to reach the client, below).
+    drop(upstream);
+    drop(permit);
     match end {
         End::Complete => {
             let rest = split.rest();
@@ -244,19 +256,20 @@ async fn pump(
             // incomplete chunked answer, as the provider's own break).
             let e = GatewayError::bad_gateway("the upstream's stream broke off");
             let event = stream_error_event(&e, p.flavor, p.api == Api::Responses);
-            let _ = tx.send(Ok(Bytes::from(event))).await;
-            let _ = tx
-                .send(Err(std::io::Error::other(
-                    "the upstream's stream broke off",
-                )))
-                .await;
+            if tx.send(Ok(Bytes::from(event))).await.is_ok() {
+                // hyper drops what it has not written yet when a body
+                // fails: the event must be on the wire before the abort.
+                flushed(&tx).await;
+                let _ = tx
+                    .send(Err(std::io::Error::other(
+                        "the upstream's stream broke off",
+                    )))
+                    .await;
+            }
         }
         End::Cut | End::ClientGone => {}
     }
-    // Closing the connection tells the provider to stop generating.
-    drop(upstream);
     drop(tx);
-    drop(permit);
     drop(lease);
     // A swap still in flight ends first: the call settles its exact holds.
     if let Some(swap) = swapping.take() {
@@ -325,6 +338,25 @@ async fn pump(
             End::UpstreamBroke => "upstream_broken",
         },
     );
+}
+
+/// Most a broken stream waits for its error event to reach the client's
+/// connection before the body is aborted (a client that reads that slowly
+/// has its answer aborted anyway).
+const FLUSH_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Waits until the body has taken every event sent (the channel is empty
+/// again: hyper has them), then a moment more for hyper to write them out:
+/// once the body has nothing new, hyper flushes what it holds. A body error
+/// sent sooner would make hyper drop them unwritten.
+async fn flushed(tx: &mpsc::Sender<Result<Bytes, std::io::Error>>) {
+    let taken = async {
+        while tx.capacity() < tx.max_capacity() && !tx.is_closed() {
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    let _ = tokio::time::timeout(FLUSH_WAIT, taken).await;
 }
 
 /// A swap's reservations being taken: the new ids of the caller's hold and

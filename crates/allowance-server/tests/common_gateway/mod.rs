@@ -33,6 +33,9 @@ pub const BOB: &str = "tenant:acme/user:bob";
 pub const GPT4O_IN_MICROS: u64 = 2_500_000;
 /// gpt-4o's output price in micros per million tokens.
 pub const GPT4O_OUT_MICROS: u64 = 10_000_000;
+/// The `max_output_tokens` of model `gpt-tiny` (priced as gpt-4o): small,
+/// so a call that names no bound outgrows it in a few dozen events.
+pub const TINY_MAX_OUTPUT: u64 = 40;
 /// claude-x's input price in micros per million tokens.
 pub const CLAUDE_IN_MICROS: u64 = 3_000_000;
 /// claude-x's output price in micros per million tokens.
@@ -136,6 +139,10 @@ max_output_tokens = 16384
 input_per_million = "3.00"
 output_per_million = "15.00"
 max_output_tokens = 8192
+[models."gpt-tiny"]
+input_per_million = "2.50"
+output_per_million = "10.00"
+max_output_tokens = {TINY_MAX_OUTPUT}
 {gateway}
 {upstream}
 [[gateway.keys]]
