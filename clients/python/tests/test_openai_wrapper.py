@@ -11,7 +11,7 @@ import openai
 import pytest
 from client_harness import Stub, unique
 
-from allowance import AsyncClient, BudgetExhausted, Client, UnexpectedResponse
+from allowance import AsyncClient, BudgetExhausted, Client, Denied, UnexpectedResponse
 from allowance.openai import (
     AsyncBudgetedOpenAI,
     BudgetedOpenAI,
@@ -272,6 +272,174 @@ async def test_async_wrapper(stub: Stub, aacme: AsyncClient, acme: Client) -> No
     lim = acme.status(f"tenant:acme/user:{user}").limit("tokens")
     assert lim.held == 0
     assert lim.used == reply.usage.total_tokens + 40 + reply.usage.prompt_tokens
+
+
+def behave(stub: Stub, **behavior: int) -> None:
+    """Sets the stub's behaviour until the next test's reset."""
+    httpx.post(f"{stub.base_url}/_stub/behavior", json=behavior).raise_for_status()
+
+
+def limit_output(admin: Client, capacity: int) -> tuple[str, str]:
+    """A fresh task with ``capacity`` output tokens in all: (its id, its scope)."""
+    task = unique("t")
+    scope = f"tenant:acme/task:{task}"
+    admin.set_scope(
+        scope, limits=[{"dimension": "output_tokens", "capacity": capacity, "window": "total"}]
+    )
+    return task, scope
+
+
+# --- output the request does not bound -----------------------------------------
+
+
+def test_a_stream_without_a_bound_goes_past_the_default_until_a_top_up_is_refused(
+    stub: Stub, admin: Client, upstream: openai.OpenAI, acme: Client
+) -> None:
+    # default_max_output_tokens is only the estimate of a call that names no
+    # bound: nothing tells the provider to stop there (it answers 40). The
+    # stream tops up past it, tranche by tranche, and is cut when the budget
+    # refuses, never spending past the budget.
+    task, scope = limit_output(admin, 20)
+    ai = BudgetedOpenAI(
+        upstream,
+        acme,
+        tenant="acme",
+        scopes={"task": task},
+        default_max_output_tokens=10,
+        tranche_tokens=5,
+    )
+    stream = ai.chat.completions.create(model="gpt-4o", messages=MESSAGES, stream=True)
+    chunks = list(stream)
+    assert stream.cut is not None and stream.cut.scope == scope
+    # Holds of 5, 10 (the default), 15, 20; the top-up asked past 20 is
+    # refused and the 21st token cuts.
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) == 21
+    lim = acme.status(scope).limit("output_tokens")
+    assert (lim.used, lim.held) == (21, 0), "never past the budget"
+    (sent,) = stub_requests(stub)
+    assert "max_tokens" not in sent["body"] and "max_completion_tokens" not in sent["body"]
+
+
+def test_a_whole_call_without_a_bound_is_sent_as_written_and_settled_as_reported(
+    stub: Stub, upstream: openai.OpenAI, acme: Client
+) -> None:
+    ai = wrapper(upstream, acme, unique("u"), default_max_output_tokens=10, labels={"t": "nob"})
+    cursor = acme.usage().next_cursor
+    reply = ai.chat.completions.create(model="gpt-4o", messages=MESSAGES)
+    assert reply.usage is not None and reply.usage.completion_tokens == 40
+    (rec,) = [r for r in acme.usage(since=cursor).records if r.labels.get("t") == "nob"]
+    assert rec.held["output_tokens"] == 10, "the default is the estimate held"
+    assert rec.charged["output_tokens"] == 40, "what the provider reports is settled"
+    (sent,) = stub_requests(stub)
+    assert "max_tokens" not in sent["body"] and "max_completion_tokens" not in sent["body"]
+
+
+# --- reasoning -----------------------------------------------------------------
+
+
+def test_a_reasoning_stream_is_refused_up_front_as_the_whole_call_is(
+    stub: Stub, admin: Client, upstream: openai.OpenAI, acme: Client
+) -> None:
+    # Reasoning is billed as output but never streamed: a stream would never
+    # top up while the model thinks (2 tokens of text, 30 of reasoning here).
+    # It holds its whole bound up front, so the budget refuses it before
+    # anything is sent, as it refuses the whole call.
+    behave(stub, output_tokens=2, reasoning_tokens=30)
+    task, scope = limit_output(admin, 20)
+    ai = BudgetedOpenAI(upstream, acme, tenant="acme", scopes={"task": task}, tranche_tokens=8)
+    call: dict[str, Any] = {
+        "model": "gpt-4o",
+        "messages": MESSAGES,
+        "max_tokens": 40,
+        "reasoning_effort": "high",
+    }
+    with pytest.raises(Denied) as whole:
+        ai.chat.completions.create(**call)
+    with pytest.raises(Denied) as streamed:
+        list(ai.chat.completions.create(**call, stream=True))
+    assert type(streamed.value) is type(whole.value)
+    assert (streamed.value.scope, streamed.value.dimension) == (scope, "output_tokens")
+    assert stub_requests(stub) == [], "nothing was sent upstream"
+    lim = acme.status(scope).limit("output_tokens")
+    assert (lim.used, lim.held) == (0, 0)
+
+
+def test_a_reasoning_stream_holds_its_bound_and_settles_the_reasoning(
+    stub: Stub, upstream: openai.OpenAI, acme: Client
+) -> None:
+    behave(stub, output_tokens=2, reasoning_tokens=30)
+    ai = wrapper(upstream, acme, unique("u"), tranche_tokens=8)
+    stream = ai.chat.completions.create(
+        model="gpt-4o", messages=MESSAGES, stream=True, max_tokens=40, reasoning_effort="low"
+    )
+    assert stream.reservation.held["output_tokens"] == 40, "the whole bound, up front"
+    chunks = list(stream)
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) == 2
+    info = acme.get(stream.reservation.id)
+    assert info.status == "settled" and info.charged is not None
+    assert info.charged["output_tokens"] == 32, "the reasoning is charged"
+    # Turned off, it is an ordinary stream: one tranche.
+    off = ai.chat.completions.create(
+        model="gpt-4o", messages=MESSAGES, stream=True, max_tokens=40, reasoning_effort="none"
+    )
+    assert off.reservation.held["output_tokens"] == 8
+    off.close()
+
+
+def test_a_reasoning_stream_without_a_bound_holds_the_default_then_tops_up(
+    stub: Stub, upstream: openai.OpenAI, acme: Client
+) -> None:
+    behave(stub, output_tokens=30, reasoning_tokens=5)
+    ai = wrapper(upstream, acme, unique("u"), tranche_tokens=8, default_max_output_tokens=12)
+    stream = ai.chat.completions.create(
+        model="gpt-4o", messages=MESSAGES, stream=True, reasoning_effort="medium"
+    )
+    assert stream.reservation.held["output_tokens"] == 12
+    list(stream)
+    assert stream.cut is None
+    # Past the default (only the estimate), tranche by tranche: 12, 20, 28, 36.
+    assert stream.reservation.held["output_tokens"] == 36
+    info = acme.get(stream.reservation.id)
+    assert info.charged is not None and info.charged["output_tokens"] == 35
+
+
+async def test_async_streams_without_a_bound_or_with_reasoning(
+    stub: Stub, admin: Client, aacme: AsyncClient, acme: Client
+) -> None:
+    task, scope = limit_output(admin, 20)
+    async with (
+        httpx.AsyncClient(base_url=stub.base_url) as control,
+        openai.AsyncOpenAI(
+            base_url=f"{stub.base_url}/v1", api_key="sk-stub", max_retries=0
+        ) as upstream,
+    ):
+        (await control.post("/_stub/reset")).raise_for_status()
+        ai = AsyncBudgetedOpenAI(
+            upstream,
+            aacme,
+            tenant="acme",
+            scopes={"task": task},
+            default_max_output_tokens=10,
+            tranche_tokens=5,
+        )
+        stream = await ai.chat.completions.create(model="gpt-4o", messages=MESSAGES, stream=True)
+        texts = [c.choices[0].delta.content async for c in stream if c.choices]
+        assert stream.cut is not None and stream.cut.scope == scope
+        assert sum(1 for t in texts if t) == 21
+        lim = acme.status(scope).limit("output_tokens")
+        assert (lim.used, lim.held) == (21, 0)
+        # A fresh budget of 20: a reasoning stream bound to 40 is refused up front.
+        (await control.post("/_stub/reset")).raise_for_status()
+        behave(stub, output_tokens=2, reasoning_tokens=30)
+        task, scope = limit_output(admin, 20)
+        ai = AsyncBudgetedOpenAI(
+            upstream, aacme, tenant="acme", scopes={"task": task}, tranche_tokens=8
+        )
+        call: dict[str, Any] = {"model": "gpt-4o", "messages": MESSAGES, "max_tokens": 40}
+        with pytest.raises(Denied) as refused:
+            await ai.chat.completions.create(**call, reasoning_effort="high", stream=True)
+        assert refused.value.scope == scope
+        assert stub_requests(stub) == [], "nothing was sent upstream"
 
 
 def test_an_answer_that_is_not_allowance_is_an_unexpected_response(stub: Stub) -> None:

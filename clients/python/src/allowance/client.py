@@ -429,7 +429,11 @@ class StreamMeter:
     :meth:`add` raises the denial when a top-up is refused and the tokens
     seen exceed the hold: stop reading the stream. A refusal while the hold
     still covers them is no cut (the answer may end within it); the next
-    :meth:`add` asks again."""
+    :meth:`add` asks again.
+
+    It counts against the hold's ``output_tokens`` and tops up
+    ``output_tokens``: a hold of ``tokens`` alone is not output cover, so
+    the first token asks for a tranche on top of it."""
 
     def __init__(
         self,

@@ -1,7 +1,8 @@
 """Budgeting around the official ``openai`` SDK, in your own process.
 
 For users who do not run the allowance gateway: each
-``chat.completions.create`` call reserves its estimate on an allowance
+``chat.completions.create`` call (chat completions only: the Responses API
+is not wrapped) reserves its estimate on an allowance
 server, calls OpenAI (or any compatible endpoint) directly, and settles the
 ``usage`` the answer reports. A failed call is refunded; a denial raises
 before anything is sent upstream. A reply the provider sent is always
@@ -23,11 +24,19 @@ at run time, so input tokens are estimated by
 by your own ``count_tokens``. The estimate only sizes the hold; the settle
 records the real ``usage``. The output is held at the call's bound
 (``max_completion_tokens`` / ``max_tokens``, else ``default_max_output_tokens``),
-times ``n`` when it asks for several choices.
+times ``n`` when it asks for several choices. Without a bound of the
+call's own, the default is only the estimate: the request is sent as
+written (nothing tells the provider to stop there), so a whole call settles
+what the provider reports (the plan's overrun policy governs) and a stream
+tops up past the default.
 
 Streams hold the prompt plus one tranche of output and top it up as
-tokens arrive, never past the call's bound (a top-up refused once the
-tokens seen exceed the hold ends the stream cleanly, like the gateway);
+tokens arrive, never past the call's own bound (without one, on until a
+top-up is refused); a top-up refused once the tokens seen exceed the hold
+ends the stream cleanly, like the gateway. A stream that asks for reasoning
+(``reasoning_effort``, unless ``"none"``) holds its whole output bound up
+front, as a whole call does: reasoning is billed as output but never
+streamed, so top-ups would never see it.
 ``stream_options.include_usage`` is added so the settle uses the
 real usage, and the extra usage chunk is not shown unless you asked for it.
 
@@ -188,6 +197,19 @@ def estimate_stream_text_tokens(text: str) -> int:
     return max(1, len(text) // CHARS_PER_TOKEN) if text else 0
 
 
+def _given(value: object) -> bool:
+    """Whether a request field is set: not absent, ``None``, or the SDK's
+    ``NOT_GIVEN`` / ``omit``."""
+    return value is not None and not isinstance(value, (openai.NotGiven, openai.Omit))
+
+
+def _asks_for_reasoning(request: Mapping[str, Any]) -> bool:
+    """Whether a chat completions request asks the model to reason:
+    ``reasoning_effort`` is set, and not ``"none"`` (the gateway's rule)."""
+    effort = request.get("reasoning_effort")
+    return _given(effort) and effort != "none"
+
+
 def _delta_tokens(chunk: ChatCompletionChunk) -> int:
     """Output tokens a chunk carries, estimated."""
     total = 0
@@ -213,14 +235,27 @@ class _Plan:
         self.stream = bool(kwargs.get("stream"))
         tools = kwargs.get("tools") or kwargs.get("functions")
         input_tokens = owner.count_tokens([_as_mapping(m) for m in sent], tools)
-        bound = kwargs.get("max_completion_tokens") or kwargs.get("max_tokens")
-        per_choice = int(bound) if bound else owner.default_max_output_tokens
+        bounds = (kwargs.get("max_completion_tokens"), kwargs.get("max_tokens"))
+        bound = next((b for b in bounds if _given(b)), None)
+        # Without a bound of the request's own, the default is only the
+        # estimate: nothing tells the provider to stop there (the request is
+        # sent as written), so a stream tops up past it and a whole call
+        # settles what the provider reports.
+        self.bounded = bound is not None
+        per_choice = int(bound) if bound is not None else owner.default_max_output_tokens
         n = kwargs.get("n")
         choices = int(n) if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
         # `n` choices of up to the bound each, billed together.
         output_bound = per_choice * choices
         self.output_bound = output_bound
-        output_hold = min(owner.tranche_tokens, output_bound) if self.stream else output_bound
+        # Reasoning is billed as output but never streamed, so a stream's
+        # top-ups (counting its text) would never see it: a stream that asks
+        # for it holds its whole bound up front, as a whole call does.
+        self.reasoning = _asks_for_reasoning(kwargs)
+        if self.stream and not self.reasoning:
+            output_hold = min(owner.tranche_tokens, output_bound)
+        else:
+            output_hold = output_bound
         self.amounts = {"input_tokens": input_tokens, "output_tokens": output_hold}
         self.options: ReserveOptions = ReserveOptions(**owner.options)
         model = kwargs.get("model")
@@ -429,7 +464,10 @@ class BudgetedStream:
     top-up is refused once the tokens seen exceed the hold, the stream ends
     cleanly after the chunk that went past it (its tokens arrived and are
     charged) and :attr:`cut` holds the denial. The hold never grows past
-    the call's bound.
+    the call's own bound; a call without one grows past
+    ``default_max_output_tokens`` (only the estimate) until a top-up is
+    refused. A call that asks for reasoning holds its whole bound from the
+    start.
     """
 
     def __init__(
@@ -442,8 +480,11 @@ class BudgetedStream:
         self._stream = stream
         self.reservation = reservation
         self._plan = plan
+        # Never past the request's own bound; without one, on past the
+        # default (only the estimate) until a top-up is refused.
         self._meter: StreamMeter = reservation.meter(
-            tranche_tokens=options.tranche_tokens, max_output_tokens=plan.output_bound
+            tranche_tokens=options.tranche_tokens,
+            max_output_tokens=plan.output_bound if plan.bounded else None,
         )
         self.cut: Denied | None = None
         self._started = False
@@ -650,7 +691,8 @@ class AsyncBudgetedStream:
         self.reservation = reservation
         self._plan = plan
         self._meter: AsyncStreamMeter = reservation.meter(
-            tranche_tokens=options.tranche_tokens, max_output_tokens=plan.output_bound
+            tranche_tokens=options.tranche_tokens,
+            max_output_tokens=plan.output_bound if plan.bounded else None,
         )
         self.cut: Denied | None = None
         self._started = False
