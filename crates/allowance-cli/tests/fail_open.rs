@@ -115,6 +115,16 @@ async fn fail_open_local_admits_at_most_the_emergency_limits() {
         denied.json
     );
     assert!(denied.header("retry-after").is_some());
+    // The outage and what it admitted show on /metrics.
+    let m = s.get("/metrics", None).await.expect(200);
+    let text = m.json.as_str().unwrap_or_default();
+    for line in [
+        "allowance_store_answering_locally 1",
+        "allowance_store_local_admissions_total 10",
+        "allowance_store_local_pending 10",
+    ] {
+        assert!(text.lines().any(|l| l == line), "{line}:\n{text}");
+    }
 
     // Settles of the local reservations answer 200 (7 tokens each), one is refunded.
     for id in &ids[..9] {

@@ -96,8 +96,8 @@ pub use scope::{MAX_ID_LEN, MAX_KIND_LEN, ScopeKey, ScopeSet, TENANT_KIND, valid
 pub use shared::{Committed, Journal, NoJournal, Outcome, SharedLedger};
 pub use snapshot::{LedgerSnapshot, SNAPSHOT_FORMAT, SnapshotError};
 pub use store::{
-    CatalogChange, Clock, Durable, EmbeddedStore, IdSource, MEMORY_USAGE_RECORDS, ManualClock,
-    SeededIds, Store, StoreError, StoreStats, Unavailable, usage_page,
+    CatalogChange, Clock, Durable, EmbeddedStore, FailOpenStats, IdSource, MEMORY_USAGE_RECORDS,
+    ManualClock, SeededIds, Store, StoreError, StoreStats, Unavailable, usage_page,
 };
 pub use units::{Amounts, Dimension, MAX_AMOUNT, Timestamp};
 pub use usage::{Adjustment, MAX_USAGE_PAGE, UsageEvent, UsageKind, UsagePage, UsageRecord};

@@ -111,6 +111,21 @@ pub struct StoreStats {
     pub expired_total: u64,
 }
 
+/// What a store that answers on its own during an outage of the store
+/// behind it (`on_error = "fail_open_local"`) reports, for metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FailOpenStats {
+    /// Whether it answers reserves on its own ledger now (an outage, or
+    /// the hand-over after one).
+    pub answering_locally: bool,
+    /// Reservations it admitted on its own ledger since it started.
+    pub admitted_locally_total: u64,
+    /// Of those, the ones reconciled into the store behind it.
+    pub imported_total: u64,
+    /// Those not reconciled yet.
+    pub pending_reconciliation: u64,
+}
+
 /// An admin change to the catalog.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub enum CatalogChange {
@@ -310,6 +325,12 @@ pub trait Store: Send + Sync + 'static {
     async fn expire_due(&self) -> Result<u64, Unavailable>;
     /// Counters for metrics (expiry observed first).
     async fn stats(&self) -> Result<StoreStats, Unavailable>;
+    /// The fail-open state of a store that can answer on its own while the
+    /// store behind it cannot; `None` (the default) for every other store.
+    /// Read from memory: it answers during the outage it describes.
+    fn fail_open_stats(&self) -> Option<FailOpenStats> {
+        None
+    }
     /// Calls `wake` whenever room may have freed through *another*
     /// process sharing this store (a settle, refund or expiry there), so an
     /// admission queue looks again. A store only this process writes has

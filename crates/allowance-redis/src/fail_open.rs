@@ -75,10 +75,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use allowance_core::{
-    AdminError, Amounts, Catalog, CatalogChange, Clock, Dimension, ExtendError, Granted, IdSource,
-    Invalid, Limit, Override, Plan, RefundError, Reservation, ReservationId, ReserveError,
-    ReserveRequest, ScopeKey, ScopeStatus, SettleError, SharedLedger, Status, Store, StoreError,
-    StoreStats, Timestamp, Unavailable, Usage, UsagePage,
+    AdminError, Amounts, Catalog, CatalogChange, Clock, Dimension, ExtendError, FailOpenStats,
+    Granted, IdSource, Invalid, Limit, Override, Plan, RefundError, Reservation, ReservationId,
+    ReserveError, ReserveRequest, ScopeKey, ScopeStatus, SettleError, SharedLedger, Status, Store,
+    StoreError, StoreStats, Timestamp, Unavailable, Usage, UsagePage,
 };
 use async_trait::async_trait;
 use parking_lot::Mutex;
@@ -707,6 +707,15 @@ impl Store for FailOpenLocal {
 
     async fn stats(&self) -> Result<StoreStats, Unavailable> {
         self.redis.stats().await
+    }
+
+    fn fail_open_stats(&self) -> Option<FailOpenStats> {
+        Some(FailOpenStats {
+            answering_locally: self.answering_locally(),
+            admitted_locally_total: self.admitted_locally(),
+            imported_total: self.imported(),
+            pending_reconciliation: self.pending_reconciliation() as u64,
+        })
     }
 
     async fn usage(

@@ -89,6 +89,22 @@ fn describe() {
     metrics::describe_counter!(EXPIRED, "Reservations expired since the server started.");
     metrics::describe_counter!(STORE_ERRORS, "Store calls that did not answer.");
     metrics::describe_counter!(REPLAYS, "Reserves answered from an idempotency key.");
+    metrics::describe_gauge!(
+        "allowance_store_answering_locally",
+        "1 while a fail_open_local store admits on its own ledger (Redis down, or the hand-over after)."
+    );
+    metrics::describe_counter!(
+        "allowance_store_local_admissions_total",
+        "Reservations admitted on the local ledger during Redis outages."
+    );
+    metrics::describe_counter!(
+        "allowance_store_local_imports_total",
+        "Locally admitted reservations reconciled into Redis."
+    );
+    metrics::describe_gauge!(
+        "allowance_store_local_pending",
+        "Locally admitted reservations not yet reconciled into Redis."
+    );
 }
 
 /// The operations and outcomes [`operation`] is called with: their
@@ -173,6 +189,15 @@ pub fn denial(d: &Denial) {
 /// shows.
 pub fn store_error(op: &'static str) {
     metrics::counter!(STORE_ERRORS, "op" => op).increment(1);
+}
+
+/// Publishes a fail-open store's state (read at scrape time): whether it
+/// answers on its own ledger now, and what it admitted there.
+pub fn fail_open(f: allowance_core::FailOpenStats) {
+    metrics::gauge!("allowance_store_answering_locally").set(u8::from(f.answering_locally));
+    metrics::counter!("allowance_store_local_admissions_total").absolute(f.admitted_locally_total);
+    metrics::counter!("allowance_store_local_imports_total").absolute(f.imported_total);
+    metrics::gauge!("allowance_store_local_pending").set(f.pending_reconciliation as f64);
 }
 
 /// Publishes the store's counters (read at scrape time).

@@ -469,6 +469,9 @@ pub(crate) async fn metrics_text(State(state): State<AppState>) -> Response {
         Ok(Ok(s)) => metrics::store_stats(s),
         _ => metrics::store_error("stats"),
     }
+    if let Some(f) = state.store().fail_open_stats() {
+        metrics::fail_open(f);
+    }
     (
         [(
             axum::http::header::CONTENT_TYPE,
