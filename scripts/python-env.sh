@@ -6,7 +6,7 @@
 # share it, with what tests/python/requirements.txt adds (schemathesis).
 #
 # Idempotent and quick: a stamp keyed by a hash of clients/python/pyproject.toml
-# (and of this script) skips pip when nothing changed. Needs CPython ≥ 3.10
+# (and of this script) skips pip when nothing changed. Needs CPython ≥ 3.11
 # with the venv module and PyPI.
 #   PYTHON=python3.12 scripts/python-env.sh    # pick the interpreter
 #   scripts/python-env.sh --force               # reinstall regardless

@@ -47,12 +47,15 @@ struct Backoff {
 impl Upstream {
     pub fn new(settings: UpstreamSettings, api_key: Option<String>) -> Self {
         let width = settings.max_concurrent.unwrap_or(DEFAULT_WIDTH);
-        Upstream {
+        let upstream = Upstream {
             settings,
             api_key,
             backoff: Mutex::new(Backoff::default()),
             gate: Gate::new(width),
-        }
+        };
+        // On /metrics from the start, not from its first change.
+        upstream.report_width();
+        upstream
     }
 
     /// When the shared backoff ends (`None`: no backoff now).
