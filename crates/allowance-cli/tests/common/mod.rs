@@ -162,6 +162,23 @@ impl Server {
         self.log.lock().unwrap().join("\n")
     }
 
+    /// Whether a log line containing `needle` arrives within 10 s: a line
+    /// the server writes while answering may reach the reader thread after
+    /// the answer reaches the test.
+    #[allow(dead_code)] // not every test binary waits for a line
+    pub fn log_has(&self, needle: &str) -> bool {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            if self.log_text().contains(needle) {
+                return true;
+            }
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// Sends a request; returns status, headers and the body as JSON (or
     /// `Value::String` of the raw text when it is not JSON).
     pub async fn send(
