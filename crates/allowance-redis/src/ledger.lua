@@ -392,9 +392,24 @@ local function room_freed()
   end
 end
 
+-- Appends to a usage stream. A cursor holds 13 bits of an entry id's
+-- sequence (`UsagePos` in lib.rs): `*` counts past that when the stream's
+-- last id is ahead of the server's clock (a clock stepped back, a failover
+-- to a host behind) and 8,192 entries fall in its millisecond. Such an
+-- entry is moved to the next millisecond, so every entry stays readable
+-- (one past the bound made every read of the log fail).
+local function usage_add(key, ...)
+  local id = redis.call('XADD', key, 'MAXLEN', '~', I(req.um), '*', ...)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  if seq and tonumber(seq) >= 8192 then
+    redis.call('XDEL', key, id)
+    redis.call('XADD', key, 'MAXLEN', '~', I(req.um), string.format('%.0f-0', tonumber(ms) + 1), ...)
+  end
+end
+
 local function usage_event(kind, at, rec)
   room_freed()
-  redis.call('XADD', usage_key(base_of(rec.id)), 'MAXLEN', '~', I(req.um), '*', 'k', kind, 'at', I(at), 'r', pack(rec))
+  usage_add(usage_key(base_of(rec.id)), 'k', kind, 'at', I(at), 'r', pack(rec))
 end
 
 -- Queues an ended reservation to be forgotten after its retention.
@@ -897,7 +912,7 @@ function ops.adjust()
     if L.k == 't' and L.d == req.d then s.states[li].u = s.states[li].u - req.credit end
   end
   save_scope(s)
-  redis.call('XADD', usage_key(sc.b), 'MAXLEN', '~', I(req.um), '*', 'k', 'adjusted', 'at', I(now),
+  usage_add(usage_key(sc.b), 'k', 'adjusted', 'at', I(now),
     'a', pack({s = sc.n, d = req.d, c = req.credit, w = req.reason, tn = req.tn}))
   return reply({t = 'ok', hc = s.S.hc, rem = report({s})})
 end

@@ -891,3 +891,76 @@ async fn a_settle_lands_under_a_stream_of_extends() {
         assert_eq!(st.held_reservations, 0, "round {round}");
     }
 }
+
+/// A usage stream whose last id is ahead of Redis's clock (a clock stepped
+/// back, a failover to a host behind) counts an entry id's sequence up
+/// within that millisecond; past 8,191 (13 bits of a cursor) the entry is
+/// moved to the next millisecond, so the log stays readable (found by an
+/// audit: an entry at sequence 8192 made every usage read answer 503).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_usage_stream_ahead_of_the_clock_stays_readable() {
+    let Some(()) = redis_available() else { return };
+    let server = RedisServer::start();
+    let catalog = roomy_catalog();
+    let store = connect(&server.url(), "ahead:", 2000, catalog.clone(), 11).await;
+    let tenant = "ahead";
+    // One record makes the stream; then its last id is set 1.5 s ahead of
+    // the server's clock, three ids short of the sequence's bound.
+    let id = store
+        .reserve(&request(&catalog, tenant, &[], tokens(10)))
+        .await
+        .expect("a reserve")
+        .id;
+    store.refund(id).await.expect("a refund");
+    let client = redis::Client::open(server.url()).expect("a client");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("a connection");
+    let (secs, micros): (u64, u64) = redis::cmd("TIME")
+        .query_async(&mut conn)
+        .await
+        .expect("TIME");
+    let ahead_ms = secs * 1000 + micros / 1000 + 1500;
+    let () = redis::cmd("XSETID")
+        .arg("ahead:{u}:u")
+        .arg(format!("{ahead_ms}-8189"))
+        .query_async(&mut conn)
+        .await
+        .expect("XSETID");
+    for i in 0..6 {
+        let g = store
+            .reserve(&request(&catalog, tenant, &[], tokens(10 + i)))
+            .await
+            .expect("a reserve");
+        store
+            .settle(g.id, &usage(tokens(5 + i)))
+            .await
+            .expect("a settle");
+    }
+    let ids: Vec<redis::Value> = redis::cmd("XRANGE")
+        .arg("ahead:{u}:u")
+        .arg("-")
+        .arg("+")
+        .query_async(&mut conn)
+        .await
+        .expect("XRANGE");
+    assert_eq!(ids.len(), 7, "one refund and six settles");
+    // Once the clock has passed the skew, every record reads, once, in order.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let page = store
+        .usage(None, 100, Some(tenant))
+        .await
+        .unwrap_or_else(|e| panic!("the log is unreadable: {e}"));
+    let kinds: Vec<UsageKind> = page.records.iter().map(|r| r.event.kind).collect();
+    assert_eq!(
+        kinds,
+        [
+            vec![UsageKind::Refunded],
+            vec![UsageKind::Settled; 6]
+        ]
+        .concat()
+    );
+    let cursors: Vec<u64> = page.records.iter().map(|r| r.cursor).collect();
+    assert!(cursors.windows(2).all(|w| w[0] < w[1]), "{cursors:?}");
+}
