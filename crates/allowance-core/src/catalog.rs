@@ -457,6 +457,11 @@ impl Catalog {
         had
     }
 
+    /// A scope's override, if it has one.
+    pub fn override_of(&self, scope: &ScopeKey) -> Option<&Override> {
+        self.overrides.get(scope)
+    }
+
     /// The overrides in force.
     pub fn overrides(&self) -> impl Iterator<Item = (&ScopeKey, &Override)> {
         self.overrides.iter()

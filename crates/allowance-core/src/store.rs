@@ -133,7 +133,9 @@ pub enum CatalogChange {
     SetPlan(Arc<Plan>),
     /// Move a scope to a plan, or give it its own limits.
     SetOverride(ScopeKey, Override),
-    /// Return a scope to its kind's default plan.
+    /// Return a scope to its kind's default plan (with
+    /// [`apply_on`](CatalogChange::apply_on): to the configuration file's
+    /// override of it, where the file has one).
     ClearOverride(ScopeKey),
     /// Define or replace a model's prices.
     SetModel(String, ModelPrice),
@@ -160,6 +162,14 @@ impl CatalogChange {
                 c.set_plan(plan.clone());
                 Ok(())
             }
+            // A scope the file gives an override of its own (an upstream's
+            // limits, from its settings) returns to that, not to its kind's
+            // plan: clearing an API override must not drop the provider's
+            // limits until a restart (found by an audit).
+            CatalogChange::ClearOverride(s) => match configured.override_of(s) {
+                Some(o) => c.set_override(s.clone(), o.clone()),
+                None => self.apply(c),
+            },
             other => other.apply(c),
         }
     }

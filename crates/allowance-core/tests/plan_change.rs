@@ -198,3 +198,37 @@ async fn a_plan_changed_and_changed_back_before_a_write_keeps_the_history() {
         "a read between the changes must not decide what is kept"
     );
 }
+
+/// A scope the configuration gives an override of its own (the gateway's
+/// `upstream:<name>` with the provider's limits) returns to that override
+/// when an admin override is cleared, not to its kind's plan (found by an
+/// audit: the provider's limits were gone until a restart).
+#[tokio::test]
+async fn clearing_an_override_returns_to_the_file_s_own() {
+    let mut c = catalog();
+    let user = c
+        .scope_set("acme", &[("user", "bob")])
+        .expect("valid")
+        .as_slice()[1]
+        .clone();
+    let configured = allowance_core::Override::Limits(user_plan(7));
+    c.set_override(user.clone(), configured.clone())
+        .expect("an override");
+    let clock = Arc::new(ManualClock::new(Timestamp::from_millis(T0_MS)));
+    let store = EmbeddedStore::new(c, 4, clock, Arc::new(SeededIds::new(1)));
+    let capacity = async || store.status(&user).await.expect("status").limits[0].capacity;
+    assert_eq!(capacity().await, 7);
+    store
+        .change_catalog(&CatalogChange::SetOverride(
+            user.clone(),
+            allowance_core::Override::Limits(user_plan(3)),
+        ))
+        .await
+        .expect("an admin override");
+    assert_eq!(capacity().await, 3);
+    store
+        .change_catalog(&CatalogChange::ClearOverride(user.clone()))
+        .await
+        .expect("cleared");
+    assert_eq!(capacity().await, 7, "back to the file's override");
+}

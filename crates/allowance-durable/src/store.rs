@@ -422,7 +422,7 @@ async fn open_live(
 fn compose(base: &Catalog, overlay: &[CatalogChange], skipped: &mut Vec<String>) -> Catalog {
     let mut c = base.clone();
     for change in overlay {
-        match change.apply(&mut c) {
+        match change.apply_on(&mut c, base) {
             Ok(()) => {}
             // Clearing an override the file does not have: nothing to do.
             Err(AdminError::NotFound(_)) if matches!(change, CatalogChange::ClearOverride(_)) => {}
