@@ -534,3 +534,35 @@ async fn an_upstream_401_names_the_gateways_upstream_key() {
         "{callers:#?}"
     );
 }
+
+/// A call waiting for a place upstream (every one taken) waits no longer
+/// than `[queue] max_wait_ms`, as it would for room in the ledger (found by
+/// an audit: a call waited 19.7 s behind a 10 s call with an 8 s bound,
+/// holding its caller's reservation all along).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_waits_for_a_place_upstream_no_longer_than_max_wait() {
+    let mut setup = Setup::new("gatewait");
+    setup.max_concurrent = Some(1);
+    setup.max_wait_ms = Some(600);
+    let gw = Gw::start(setup).await;
+    gw.stub.enqueue([Scripted::hang_ms(3_000)]).unwrap();
+    let body = chat("Hello.", 10);
+    let started = std::time::Instant::now();
+    let (a, b) = tokio::join!(gw.call("/v1/chat/completions", &body), async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let b = gw.call("/v1/chat/completions", &body).await;
+        (b, started.elapsed())
+    });
+    let (b, b_took) = b;
+    assert_eq!(a.status, 200, "{}", a.text);
+    assert_eq!(b.status, 429, "{}", b.text);
+    assert!(b.text.contains("upstream_busy"), "{}", b.text);
+    // Generous: it must answer at its bound (0.6 s), not when the first
+    // call ends (3 s).
+    assert!(
+        b_took < Duration::from_millis(2_500),
+        "answered after {b_took:?}"
+    );
+    assert_eq!(gw.stub.stats().total, 1, "the refused call went nowhere");
+    gw.wait_nothing_held().await;
+}

@@ -134,6 +134,23 @@ impl GatewayError {
         e
     }
 
+    /// Every place upstream stayed taken for as long as the call may wait
+    /// (`[queue] max_wait_ms`): a 429 the SDKs retry after a second.
+    pub fn upstream_busy(upstream: &str, waited: std::time::Duration) -> Self {
+        let mut e = Self::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_exceeded",
+            format!(
+                "upstream {upstream:?} had no free place for {} ms, as long as a call may wait ([queue] max_wait_ms)",
+                waited.as_millis()
+            ),
+        );
+        e.code = Some("upstream_busy");
+        insert(&mut e.headers, "retry-after", "1");
+        insert(&mut e.headers, "retry-after-ms", "1000");
+        e
+    }
+
     /// A ledger denial: 429 (retry after), 402 (budget: the SDKs do not
     /// retry it) or 422 (the call can never fit).
     pub fn denied(d: &Denial, now: Timestamp, catalog: &Catalog) -> Self {

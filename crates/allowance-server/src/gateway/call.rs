@@ -802,7 +802,16 @@ async fn schedule(
     let up = &p.upstream;
     let max_wait = Duration::from_millis(state.options().max_wait_ms);
     backoff(p, max_wait).await?;
-    let permit = up.acquire().await;
+    // The gate's wait counts against the call's as the ledger's does: a
+    // call never waits longer than `max_wait_ms` for a place (it waited on,
+    // holding its caller's reservation, for as long as the calls ahead ran).
+    let gate_left = max_wait.saturating_sub(p.started.elapsed());
+    let Ok(permit) = tokio::time::timeout(gate_left, up.acquire()).await else {
+        return Err(GatewayError::upstream_busy(
+            &up.settings.name,
+            p.started.elapsed(),
+        ));
+    };
     let req = &p.attempt_req;
     let max_wait_ms = state.options().max_wait_ms;
     let left_ms = max_wait_ms.saturating_sub(p.started.elapsed().as_millis() as u64);

@@ -68,6 +68,8 @@ pub struct Setup {
     pub base_url: Option<String>,
     /// `[reservations] default_ttl_ms`.
     pub default_ttl_ms: Option<u64>,
+    /// `[queue] max_wait_ms` (default: the server's).
+    pub max_wait_ms: Option<u64>,
 }
 
 impl Setup {
@@ -84,6 +86,7 @@ impl Setup {
             models: r#"["*"]"#.to_string(),
             max_retries: None,
             max_concurrent: None,
+            max_wait_ms: None,
             requests_per_minute: None,
             base_url: None,
             default_ttl_ms: None,
@@ -363,11 +366,14 @@ impl Gw {
         })
         .expect("the gateway resolves");
         let store = make_store(config.catalog.clone()).await;
-        let options = Options {
+        let mut options = Options {
             gateway: Some(Arc::new(gateway)),
             sweep_interval: Duration::from_millis(50),
             ..Options::default()
         };
+        if let Some(ms) = setup.max_wait_ms {
+            options.max_wait_ms = ms;
+        }
         let state = AppState::new(store, Credentials::default(), options);
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let base = format!("http://{}", listener.local_addr().expect("an address"));
