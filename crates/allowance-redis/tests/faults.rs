@@ -955,11 +955,7 @@ async fn a_usage_stream_ahead_of_the_clock_stays_readable() {
     let kinds: Vec<UsageKind> = page.records.iter().map(|r| r.event.kind).collect();
     assert_eq!(
         kinds,
-        [
-            vec![UsageKind::Refunded],
-            vec![UsageKind::Settled; 6]
-        ]
-        .concat()
+        [vec![UsageKind::Refunded], vec![UsageKind::Settled; 6]].concat()
     );
     let cursors: Vec<u64> = page.records.iter().map(|r| r.cursor).collect();
     assert!(cursors.windows(2).all(|w| w[0] < w[1]), "{cursors:?}");
