@@ -1,5 +1,6 @@
 //! `allowance status SCOPE`: a scope's limits with fill bars.
 
+use anyhow::Context;
 use std::process::ExitCode;
 
 use serde_json::Value;
@@ -110,7 +111,7 @@ pub fn run(args: StatusArgs) -> ExitCode {
     {
         Ok(r) => r,
         Err(e) => {
-            crate::err(&format!("error: {e}\n"));
+            crate::err(&format!("error: {e:#}\n"));
             return ExitCode::FAILURE;
         }
     };
@@ -138,16 +139,12 @@ async fn fetch(args: &StatusArgs) -> anyhow::Result<Value> {
     if let Some(t) = &args.token {
         req = req.bearer_auth(t);
     }
-    let resp = req.send().await.map_err(|e| {
-        // reqwest's own text names the URL, not why: add the causes.
-        let mut why = e.to_string();
-        let mut cause = std::error::Error::source(&e);
-        while let Some(c) = cause {
-            why.push_str(&format!(": {c}"));
-            cause = c.source();
-        }
-        anyhow::anyhow!("cannot reach {}: {why}", args.server)
-    })?;
+    // The chain says why (reqwest's own text names only the URL): printed
+    // with `{:#}` below.
+    let resp = req
+        .send()
+        .await
+        .with_context(|| format!("cannot reach {}", args.server))?;
     let status = resp.status();
     let body: Value = resp.json().await.map_err(|e| {
         anyhow::anyhow!("the server answered {status} with a body that is not JSON: {e}")

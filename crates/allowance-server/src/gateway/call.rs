@@ -124,15 +124,12 @@ pub(crate) fn count_call(api: Api, outcome: &'static str) {
 }
 
 /// The outcome a refused reserve counts as: a ledger's denial is
-/// `denied`, but a store that did not answer is `unavailable` (and a store
-/// error, so an outage does not read as tenants at their limits), and a
-/// request the ledger found invalid is `invalid`.
+/// `denied`, but a store that did not answer is `unavailable` (its caller
+/// also counts a store error: an outage must not read as tenants at their
+/// limits), and a request the ledger found invalid is `invalid`.
 fn refusal_outcome(e: &GatewayError) -> &'static str {
     match e.status {
-        StatusCode::SERVICE_UNAVAILABLE => {
-            crate::metrics::store_error("gateway");
-            "unavailable"
-        }
+        StatusCode::SERVICE_UNAVAILABLE => "unavailable",
         StatusCode::TOO_MANY_REQUESTS
         | StatusCode::PAYMENT_REQUIRED
         | StatusCode::UNPROCESSABLE_ENTITY => "denied",
@@ -570,7 +567,11 @@ async fn run(state: AppState, mut p: Prepared) -> Response {
                 drop(permit);
                 refund(&state, id).await;
             }
-            count_call(p.api, refusal_outcome(&e));
+            let outcome = refusal_outcome(&e);
+            if outcome == "unavailable" {
+                crate::metrics::store_error("gateway");
+            }
+            count_call(p.api, outcome);
             return e.respond(p.flavor, HeaderMap::new());
         }
     };
